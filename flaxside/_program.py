@@ -1,0 +1,213 @@
+"""Compiled forward / residual / backward programs for one call signature.
+
+``Program`` turns a function of a flat list of array leaves into three jitted programs:
+
+* ``forward(leaves) -> outputs``
+* ``forward_with_residuals(leaves) -> (outputs, residuals)``
+* ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> grads``
+
+A jitted ``jax.vjp`` would return the VJP's leaves as fresh output buffers, and those
+include the primal inputs themselves (every parameter): for a 64-layer stack, 129 MB held
+instead of 1 MB. While tracing the forward we therefore map each VJP leaf, by identity, to
+an input leaf, an output leaf or a true residual; only true residuals leave the forward,
+and the backward rebuilds the VJP from the arrays the caller passes again (see
+``flaxside/README.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jtu = jax.tree_util
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """Shape, dtype and whether a gradient is wanted, for one array leaf of a call."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    diff: bool = False
+
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct:
+        """The abstract value JAX traces with."""
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+
+def is_differentiable(dtype) -> bool:
+    """Whether a dtype carries gradients (floating or complex)."""
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+class StaleSignature(ValueError):
+    """A leaf reached a compiled program with another shape or dtype than it was built for."""
+
+
+def _leaf_path(treedef, index: int):
+    paths = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
+    return paths[index][0]
+
+
+def _distinct(results: list, inputs: Sequence) -> list:
+    """Copies results that are an input or repeat another result, at trace time.
+
+    JAX may hand an input that a jitted function returns unchanged back as the same buffer,
+    and a gradient that is the cotangent itself (or shared by two leaves) as one buffer.
+    Exchanged zero-copy, torch would then see two tensors over one memory, and an in-place
+    update of one (a gradient accumulation, say) would silently change the other.
+    """
+    seen = {id(x) for x in inputs}
+    out = []
+    for r in results:
+        if id(r) in seen:
+            r = jnp.array(r, copy=True)
+        seen.add(id(r))
+        out.append(r)
+    return out
+
+
+def _internal_assert(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(
+            f"flaxtorch internal error: {message}. This is a bug in flaxtorch; please report it."
+        )
+
+
+class Program:
+    """The compiled programs for one function and one call signature.
+
+    Built once per signature; everything that depends only on the signature (treedefs,
+    which leaves are differentiated, the residual map) is fixed here or during the first
+    trace, so a call does only lookups and the dispatch itself.
+
+    Args:
+        fn: a function of the flat list of leaves returning a pytree of arrays.
+        specs: one ``LeafSpec`` per leaf; ``diff`` marks the leaves to differentiate.
+        name: used in error messages and traces.
+
+    Example:
+        >>> p = Program(lambda xs: xs[0] * xs[1], [LeafSpec((2,), np.float32, True)] * 2)
+        >>> out, res = p.forward_with_residuals([np.ones(2, np.float32)] * 2)
+    """
+
+    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, name: str = "program"):
+        self.fn = fn
+        self.specs = tuple(specs)
+        self.name = name
+        self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
+        self.trace_count = 0
+        self._lock = threading.Lock()
+        out_shapes = jax.eval_shape(self._flat_fn, [s.aval for s in self.specs])
+        self.trace_count = 0  # eval_shape is bookkeeping, not a compile
+        self.out_specs = tuple(
+            LeafSpec(o.shape, np.dtype(o.dtype), is_differentiable(o.dtype)) for o in out_shapes
+        )
+        self.diff_out_index = tuple(i for i, s in enumerate(self.out_specs) if s.diff)
+        # Filled by the first trace of forward_with_residuals.
+        self._vjp_treedef = None
+        self._vjp_sources: tuple[tuple[str, int], ...] = ()
+        self.saved_input_index: tuple[int, ...] = ()
+        self.saved_output_index: tuple[int, ...] = ()
+        self.residual_specs: tuple[LeafSpec, ...] = ()
+        self._forward = jax.jit(self._flat_fn)
+        self._forward_res = jax.jit(self._fwd_res)
+        self._backward = jax.jit(self._bwd)
+
+    # -- traced bodies -----------------------------------------------------------------
+    def _flat_fn(self, leaves):
+        self.trace_count += 1
+        for spec, leaf in zip(self.specs, leaves, strict=True):
+            if leaf.shape != spec.shape or leaf.dtype != spec.dtype:
+                raise StaleSignature(
+                    f"{self.name}: compiled for {spec.dtype}{list(spec.shape)} but called "
+                    f"with {leaf.dtype}{list(leaf.shape)}"
+                )
+        out = self.fn(list(leaves))
+        out_leaves, out_treedef = jtu.tree_flatten(out)
+        for i, leaf in enumerate(out_leaves):
+            if not isinstance(leaf, jax.Array | np.ndarray | bool | int | float | complex):
+                raise TypeError(
+                    f"{self.name}: output {jtu.keystr(_leaf_path(out_treedef, i))} of the "
+                    f"function is a {type(leaf).__name__}, but only arrays can cross to torch. "
+                    f"Return arrays (or a tuple/list/dict of arrays) from the Flax module."
+                )
+        self.out_treedef = out_treedef
+        return _distinct([jnp.asarray(x) for x in out_leaves], leaves)
+
+    def _fwd_res(self, leaves):
+        leaves = list(leaves)
+
+        def differentiated(*diff):
+            full = list(leaves)
+            for i, x in zip(self.diff_index, diff, strict=True):
+                full[i] = x
+            return self._flat_fn(full)
+
+        outs, vjp = jax.vjp(differentiated, *[leaves[i] for i in self.diff_index])
+        vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
+        by_id_in = {id(x): j for j, x in enumerate(leaves)}
+        by_id_out = {id(x): k for k, x in enumerate(outs)}
+        sources, residuals, saved_in, saved_out, by_id_res = [], [], {}, {}, {}
+        for leaf in vjp_leaves:
+            if id(leaf) in by_id_res:
+                sources.append(("res", by_id_res[id(leaf)]))
+            elif id(leaf) in by_id_in:
+                j = by_id_in[id(leaf)]
+                sources.append(("in", saved_in.setdefault(j, len(saved_in))))
+            elif id(leaf) in by_id_out:
+                k = by_id_out[id(leaf)]
+                sources.append(("out", saved_out.setdefault(k, len(saved_out))))
+            else:
+                by_id_res[id(leaf)] = len(residuals)
+                sources.append(("res", len(residuals)))
+                residuals.append(jnp.asarray(leaf))
+        self._vjp_treedef = vjp_treedef
+        self._vjp_sources = tuple(sources)
+        self.saved_input_index = tuple(saved_in)
+        self.saved_output_index = tuple(saved_out)
+        self.residual_specs = tuple(LeafSpec(r.shape, np.dtype(r.dtype)) for r in residuals)
+        return outs, residuals
+
+    def _bwd(self, saved_inputs, saved_outputs, residuals, cotangents):
+        self.trace_count += 1
+        pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
+        vjp_leaves = [pools[kind][i] for kind, i in self._vjp_sources]
+        vjp = jtu.tree_unflatten(self._vjp_treedef, vjp_leaves)
+        cots = iter(cotangents)
+        full = [
+            next(cots) if s.diff else np.zeros(s.shape, jax.dtypes.float0) for s in self.out_specs
+        ]
+        return _distinct(list(vjp(full)), list(cotangents) + list(saved_inputs)
+                         + list(saved_outputs) + list(residuals))
+
+    # -- calls -------------------------------------------------------------------------
+    def forward(self, leaves: Sequence) -> list[jax.Array]:
+        """Outputs only: nothing is kept for a backward."""
+        return self._forward(leaves)
+
+    def forward_with_residuals(self, leaves: Sequence) -> tuple[list, list]:
+        """Outputs and the residuals the backward needs beyond inputs and outputs."""
+        if self._vjp_treedef is None:
+            with self._lock:  # the residual map is written by the first trace only
+                return self._forward_res(leaves)
+        return self._forward_res(leaves)
+
+    def backward(self, saved_inputs, saved_outputs, residuals, cotangents) -> list[jax.Array]:
+        """Gradients of the ``diff`` leaves, in order.
+
+        Args:
+            saved_inputs: the input leaves at ``saved_input_index``, passed again.
+            saved_outputs: the output leaves at ``saved_output_index``.
+            residuals: what ``forward_with_residuals`` returned as residuals.
+            cotangents: one per differentiable output (``diff_out_index``).
+        """
+        _internal_assert(self._vjp_treedef is not None, "backward before forward_with_residuals")
+        return self._backward(list(saved_inputs), list(saved_outputs), list(residuals),
+                              list(cotangents))

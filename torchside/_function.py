@@ -1,0 +1,115 @@
+"""The one autograd.Function that runs a compiled flaxside Program from torch."""
+
+from __future__ import annotations
+
+import jax
+import torch
+from torch.autograd.function import once_differentiable
+
+import bridge
+from flaxside import Program
+
+
+class Entry:
+    """Everything a call needs that depends only on its signature, computed once.
+
+    Args:
+        program: the compiled programs for this signature.
+        np_dtypes: the numpy dtype of each input leaf (already checked).
+        device: the torch device all leaves live on.
+    """
+
+    __slots__ = ("program", "np_dtypes", "device", "cpu", "n_out", "nondiff_out", "out_treedef",
+                 "res_dtypes", "saved_in_dtypes", "saved_out_dtypes", "cot_dtypes", "grad_slots",
+                 "traced")
+
+    def __init__(self, program: Program, np_dtypes, device: torch.device):
+        self.program = program
+        self.np_dtypes = tuple(np_dtypes)
+        self.device = device
+        self.cpu = device.type == "cpu"
+        self.n_out = len(program.out_specs)
+        self.nondiff_out = tuple(
+            k for k, s in enumerate(program.out_specs) if not s.diff
+        )
+        self.out_treedef = program.out_treedef
+        self.cot_dtypes = tuple(program.out_specs[k].dtype for k in program.diff_out_index)
+        self.grad_slots = tuple(1 + i for i in program.diff_index)  # +1: the Entry argument
+        self.traced = False
+
+    def finish_trace(self) -> None:
+        """Record what the first residual trace fixed (dtypes of what the backward gets)."""
+        p = self.program
+        self.saved_in_dtypes = tuple(self.np_dtypes[j] for j in p.saved_input_index)
+        self.saved_out_dtypes = tuple(p.out_specs[k].dtype for k in p.saved_output_index)
+        self.res_dtypes = tuple(s.dtype for s in p.residual_specs)
+        self.traced = True
+
+    # -- conversions on the per-call path ----------------------------------------------
+    def arrays(self, tensors, np_dtypes) -> list:
+        """Tensors -> what the jitted program takes (numpy views on CPU, DLPack on CUDA)."""
+        if self.cpu:
+            return [bridge.numpy_view(t, d) for t, d in zip(tensors, np_dtypes, strict=True)]
+        return [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors]
+
+    def tensors(self, arrays) -> list[torch.Tensor]:
+        """Program results -> torch tensors, after waiting for JAX to compute them."""
+        if self.cpu:
+            jax.block_until_ready(arrays)
+            return [bridge.cpu_tensor(a) for a in arrays]
+        return [torch.from_dlpack(a) for a in arrays]
+
+    def run(self, tensors) -> list[torch.Tensor]:
+        """Forward without autograd: nothing is computed or held for a backward."""
+        return self.tensors(self.program.forward(self.arrays(tensors, self.np_dtypes)))
+
+
+class BridgeFunction(torch.autograd.Function):
+    """``apply(entry, *leaves) -> (*outputs, *residuals)``; the caller drops the residuals.
+
+    Residuals leave ``forward`` as extra outputs so that ``setup_context`` can hand them to
+    ``ctx.save_for_backward``: torch's saved-tensor hooks, ``save_on_cpu`` and
+    non-reentrant checkpointing then see exactly what we hold, and in-place writes to any
+    saved input, parameter or output raise torch's usual version-counter error.
+    """
+
+    @staticmethod
+    def forward(entry: Entry, *leaves: torch.Tensor):
+        outs, res = entry.program.forward_with_residuals(entry.arrays(leaves, entry.np_dtypes))
+        if not entry.traced:
+            entry.finish_trace()
+        return tuple(entry.tensors(list(outs) + list(res)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        entry, leaves = inputs[0], inputs[1:]
+        program = entry.program
+        outs, res = output[: entry.n_out], output[entry.n_out :]
+        ctx.mark_non_differentiable(*(outs[k] for k in entry.nondiff_out), *res)
+        ctx.save_for_backward(
+            *(leaves[j] for j in program.saved_input_index),
+            *(outs[k] for k in program.saved_output_index),
+            *res,
+        )
+        ctx.entry = entry
+        ctx.n_leaves = len(leaves)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        entry = ctx.entry
+        program = entry.program
+        saved = ctx.saved_tensors
+        a = len(program.saved_input_index)
+        b = a + len(program.saved_output_index)
+        cots = [grads[k] for k in program.diff_out_index]
+        result = entry.program.backward(
+            entry.arrays(saved[:a], entry.saved_in_dtypes),
+            entry.arrays(saved[a:b], entry.saved_out_dtypes),
+            entry.arrays(saved[b:], entry.res_dtypes),
+            entry.arrays(cots, entry.cot_dtypes),
+        )
+        out = [None] * (1 + ctx.n_leaves)
+        for slot, g in zip(entry.grad_slots, entry.tensors(result), strict=True):
+            out[slot] = g
+        return tuple(out)
