@@ -99,3 +99,22 @@ def torch_stack_from_flax(stacked_params, width: int, dtype=torch.float32) -> to
     for i, block in enumerate(blocks):
         load_residual_block(block, jax.tree_util.tree_map(lambda a, i=i: a[i], flat))
     return blocks
+
+
+class ScanStack(nn.Module):
+    """``depth`` residual blocks with ``nn.scan`` and no remat: holds every activation."""
+
+    width: int
+    depth: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            lambda mdl, c, _: (mdl(c), None),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
+        )
+        x, _ = stack(ResidualMLPBlock(self.width, self.dtype, name="stack"), x, None)
+        return x
