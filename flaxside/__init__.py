@@ -6,3 +6,10 @@ from flaxside._program import LeafSpec as LeafSpec
 from flaxside._program import Program as Program
 from flaxside._program import StaleSignature as StaleSignature
 from flaxside._program import is_differentiable as is_differentiable
+from flaxside._adapters import INVERTED_TRAIN_KWARGS as INVERTED_TRAIN_KWARGS
+from flaxside._adapters import LinenAdapter as LinenAdapter
+from flaxside._adapters import NNXAdapter as NNXAdapter
+from flaxside._adapters import adapter_for as adapter_for
+from flaxside._adapters import key_data_shape as key_data_shape
+from flaxside._adapters import wrap_keys as wrap_keys
+from flaxside._depends import depends_on as depends_on

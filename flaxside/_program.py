@@ -5,6 +5,7 @@
 * ``forward(leaves) -> outputs``
 * ``forward_with_residuals(leaves) -> (outputs, residuals)``
 * ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> grads``
+* ``backward_recompute(leaves, cotangents) -> grads`` (forward rerun inside the backward)
 
 A jitted ``jax.vjp`` would return the VJP's leaves as fresh output buffers, and those
 include the primal inputs themselves (every parameter): for a 64-layer stack, 129 MB held
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from flaxside._depends import depends_on
 
 jtu = jax.tree_util
 
@@ -84,32 +87,45 @@ class Program:
     """The compiled programs for one function and one call signature.
 
     Built once per signature; everything that depends only on the signature (treedefs,
-    which leaves are differentiated, the residual map) is fixed here or during the first
-    trace, so a call does only lookups and the dispatch itself.
+    which leaves are differentiated, which outputs carry gradients, the residual map) is
+    fixed here or during the first trace, so a call does only the dispatch itself.
 
     Args:
-        fn: a function of the flat list of leaves returning a pytree of arrays.
+        fn: a function of the flat list of leaves returning a pytree of arrays, or
+            ``(outputs, aux)`` with ``has_aux``: aux leaves (e.g. updated Flax
+            collections) come after the outputs and never carry gradients.
         specs: one ``LeafSpec`` per leaf; ``diff`` marks the leaves to differentiate.
-        name: used in error messages and traces.
+        has_aux: whether ``fn`` returns ``(outputs, aux)``.
+        name: used in error messages.
+
+    Attributes:
+        out_specs: one ``LeafSpec`` per output then aux leaf; ``diff`` marks the outputs
+            that depend on a differentiated leaf (the only ones that take a cotangent).
+        n_out: how many of ``out_specs`` are outputs (the rest are aux).
 
     Example:
         >>> p = Program(lambda xs: xs[0] * xs[1], [LeafSpec((2,), np.float32, True)] * 2)
         >>> out, res = p.forward_with_residuals([np.ones(2, np.float32)] * 2)
     """
 
-    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, name: str = "program"):
+    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, has_aux: bool = False,
+                 name: str = "program"):
         self.fn = fn
         self.specs = tuple(specs)
+        self.has_aux = has_aux
         self.name = name
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
         self.trace_count = 0
         self._lock = threading.Lock()
-        out_shapes = jax.eval_shape(self._flat_fn, [s.aval for s in self.specs])
-        self.trace_count = 0  # eval_shape is bookkeeping, not a compile
+        closed = jax.make_jaxpr(self._flat_fn)([s.aval for s in self.specs])
+        self.trace_count = 0  # shape and dependency bookkeeping, not a compile
+        depends = depends_on(closed.jaxpr, [s.diff for s in self.specs])
         self.out_specs = tuple(
-            LeafSpec(o.shape, np.dtype(o.dtype), is_differentiable(o.dtype)) for o in out_shapes
+            LeafSpec(o.shape, np.dtype(o.dtype), k < self.n_out and dep
+                     and is_differentiable(o.dtype))
+            for k, (o, dep) in enumerate(zip(closed.out_avals, depends, strict=True))
         )
-        self.diff_out_index = tuple(i for i, s in enumerate(self.out_specs) if s.diff)
+        self.diff_out_index = tuple(k for k, s in enumerate(self.out_specs) if s.diff)
         # Filled by the first trace of forward_with_residuals.
         self._vjp_treedef = None
         self._vjp_sources: tuple[tuple[str, int], ...] = ()
@@ -119,6 +135,7 @@ class Program:
         self._forward = jax.jit(self._flat_fn)
         self._forward_res = jax.jit(self._fwd_res)
         self._backward = jax.jit(self._bwd)
+        self._backward_re = jax.jit(self._bwd_recompute)
 
     # -- traced bodies -----------------------------------------------------------------
     def _flat_fn(self, leaves):
@@ -129,28 +146,50 @@ class Program:
                     f"{self.name}: compiled for {spec.dtype}{list(spec.shape)} but called "
                     f"with {leaf.dtype}{list(leaf.shape)}"
                 )
-        out = self.fn(list(leaves))
-        out_leaves, out_treedef = jtu.tree_flatten(out)
+        result = self.fn(list(leaves))
+        out, aux = result if self.has_aux else (result, ())
+        out_leaves, self.out_treedef = jtu.tree_flatten(out)
+        aux_leaves, self.aux_treedef = jtu.tree_flatten(aux)
+        self.n_out = len(out_leaves)
         for i, leaf in enumerate(out_leaves):
             if not isinstance(leaf, jax.Array | np.ndarray | bool | int | float | complex):
                 raise TypeError(
-                    f"{self.name}: output {jtu.keystr(_leaf_path(out_treedef, i))} of the "
-                    f"function is a {type(leaf).__name__}, but only arrays can cross to torch. "
-                    f"Return arrays (or a tuple/list/dict of arrays) from the Flax module."
+                    f"{self.name}: output {jtu.keystr(_leaf_path(self.out_treedef, i))} of "
+                    f"the function is a {type(leaf).__name__}, but only arrays can cross to "
+                    f"torch. Return arrays (or a tuple/list/dict of arrays) from the module."
                 )
-        self.out_treedef = out_treedef
-        return _distinct([jnp.asarray(x) for x in out_leaves], leaves)
+        return _distinct([jnp.asarray(x) for x in out_leaves + aux_leaves], leaves)
 
-    def _fwd_res(self, leaves):
-        leaves = list(leaves)
+    def _vjp(self, leaves):
+        """``jax.vjp`` over the diff leaves: ``(outputs + aux, vjp)``."""
 
         def differentiated(*diff):
             full = list(leaves)
             for i, x in zip(self.diff_index, diff, strict=True):
                 full[i] = x
-            return self._flat_fn(full)
+            results = self._flat_fn(full)
+            return results[: self.n_out], results[self.n_out :]
 
-        outs, vjp = jax.vjp(differentiated, *[leaves[i] for i in self.diff_index])
+        outs, vjp, aux = jax.vjp(
+            differentiated, *[leaves[i] for i in self.diff_index], has_aux=True
+        )
+        return list(outs) + list(aux), vjp
+
+    def _cotangents(self, cotangents):
+        cots = iter(cotangents)
+        full = []
+        for s in self.out_specs[: self.n_out]:
+            if s.diff:
+                full.append(next(cots))
+            elif is_differentiable(s.dtype):
+                full.append(jnp.zeros(s.shape, s.dtype))
+            else:
+                full.append(np.zeros(s.shape, jax.dtypes.float0))
+        return full
+
+    def _fwd_res(self, leaves):
+        leaves = list(leaves)
+        outs, vjp = self._vjp(leaves)
         vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
         by_id_in = {id(x): j for j, x in enumerate(leaves)}
         by_id_out = {id(x): k for k, x in enumerate(outs)}
@@ -180,20 +219,22 @@ class Program:
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
         vjp_leaves = [pools[kind][i] for kind, i in self._vjp_sources]
         vjp = jtu.tree_unflatten(self._vjp_treedef, vjp_leaves)
-        cots = iter(cotangents)
-        full = [
-            next(cots) if s.diff else np.zeros(s.shape, jax.dtypes.float0) for s in self.out_specs
-        ]
-        return _distinct(list(vjp(full)), list(cotangents) + list(saved_inputs)
+        grads = vjp(self._cotangents(cotangents))
+        return _distinct(list(grads), list(cotangents) + list(saved_inputs)
                          + list(saved_outputs) + list(residuals))
+
+    def _bwd_recompute(self, leaves, cotangents):
+        _, vjp = self._vjp(list(leaves))
+        grads = vjp(self._cotangents(cotangents))
+        return _distinct(list(grads), list(cotangents) + list(leaves))
 
     # -- calls -------------------------------------------------------------------------
     def forward(self, leaves: Sequence) -> list[jax.Array]:
-        """Outputs only: nothing is kept for a backward."""
+        """Outputs (then aux) only: nothing is kept for a backward."""
         return self._forward(leaves)
 
     def forward_with_residuals(self, leaves: Sequence) -> tuple[list, list]:
-        """Outputs and the residuals the backward needs beyond inputs and outputs."""
+        """Outputs (then aux) and the residuals the backward needs beyond inputs and outputs."""
         if self._vjp_treedef is None:
             with self._lock:  # the residual map is written by the first trace only
                 return self._forward_res(leaves)
@@ -211,3 +252,11 @@ class Program:
         _internal_assert(self._vjp_treedef is not None, "backward before forward_with_residuals")
         return self._backward(list(saved_inputs), list(saved_outputs), list(residuals),
                               list(cotangents))
+
+    def backward_recompute(self, leaves: Sequence, cotangents: Sequence) -> list[jax.Array]:
+        """Gradients of the ``diff`` leaves, rerunning the forward inside one program.
+
+        Like ``torch.utils.checkpoint`` around the whole block: nothing but the inputs is
+        held between ``forward`` and this call.
+        """
+        return self._backward_re(list(leaves), list(cotangents))

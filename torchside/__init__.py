@@ -1,4 +1,6 @@
-"""torch side: the autograd.Function and FlaxModule. Uses bridge and flaxside."""
+"""torch side: the autograd.Function, FlaxModule and jax_function. Uses bridge and flaxside."""
 
 from torchside._function import BridgeFunction as BridgeFunction
+from torchside._jax_function import JaxFunction as JaxFunction
+from torchside._jax_function import jax_function as jax_function
 from torchside._module import FlaxModule as FlaxModule

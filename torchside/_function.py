@@ -9,6 +9,8 @@ from torch.autograd.function import once_differentiable
 import bridge
 from flaxside import Program
 
+RESIDUAL_MODES = ("save", "recompute")
+
 
 class Entry:
     """Everything a call needs that depends only on its signature, computed once.
@@ -17,25 +19,27 @@ class Entry:
         program: the compiled programs for this signature.
         np_dtypes: the numpy dtype of each input leaf (already checked).
         device: the torch device all leaves live on.
+        residuals: ``"save"`` keeps what the Flax remat policy keeps; ``"recompute"`` keeps
+            only the inputs and reruns the forward inside the backward.
     """
 
-    __slots__ = ("program", "np_dtypes", "device", "cpu", "n_out", "nondiff_out", "out_treedef",
-                 "res_dtypes", "saved_in_dtypes", "saved_out_dtypes", "cot_dtypes", "grad_slots",
-                 "traced")
+    __slots__ = ("program", "np_dtypes", "device", "cpu", "recompute", "n_results", "n_out",
+                 "nondiff_out", "res_dtypes", "saved_in_dtypes", "saved_out_dtypes",
+                 "cot_dtypes", "grad_slots", "traced", "aux_targets")
 
-    def __init__(self, program: Program, np_dtypes, device: torch.device):
+    def __init__(self, program: Program, np_dtypes, device: torch.device, residuals="save"):
         self.program = program
         self.np_dtypes = tuple(np_dtypes)
         self.device = device
         self.cpu = device.type == "cpu"
-        self.n_out = len(program.out_specs)
-        self.nondiff_out = tuple(
-            k for k, s in enumerate(program.out_specs) if not s.diff
-        )
-        self.out_treedef = program.out_treedef
+        self.recompute = residuals == "recompute"
+        self.n_results = len(program.out_specs)
+        self.n_out = program.n_out
+        self.nondiff_out = tuple(k for k, s in enumerate(program.out_specs) if not s.diff)
         self.cot_dtypes = tuple(program.out_specs[k].dtype for k in program.diff_out_index)
         self.grad_slots = tuple(1 + i for i in program.diff_index)  # +1: the Entry argument
         self.traced = False
+        self.aux_targets = None  # filled by the owner that knows what aux leaves update
 
     def finish_trace(self) -> None:
         """Record what the first residual trace fixed (dtypes of what the backward gets)."""
@@ -65,7 +69,7 @@ class Entry:
 
 
 class BridgeFunction(torch.autograd.Function):
-    """``apply(entry, *leaves) -> (*outputs, *residuals)``; the caller drops the residuals.
+    """``apply(entry, *leaves) -> (*outputs, *aux, *residuals)``; the caller drops residuals.
 
     Residuals leave ``forward`` as extra outputs so that ``setup_context`` can hand them to
     ``ctx.save_for_backward``: torch's saved-tensor hooks, ``save_on_cpu`` and
@@ -75,7 +79,10 @@ class BridgeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(entry: Entry, *leaves: torch.Tensor):
-        outs, res = entry.program.forward_with_residuals(entry.arrays(leaves, entry.np_dtypes))
+        arrays = entry.arrays(leaves, entry.np_dtypes)
+        if entry.recompute:
+            return tuple(entry.tensors(entry.program.forward(arrays)))
+        outs, res = entry.program.forward_with_residuals(arrays)
         if not entry.traced:
             entry.finish_trace()
         return tuple(entry.tensors(list(outs) + list(res)))
@@ -84,13 +91,16 @@ class BridgeFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         entry, leaves = inputs[0], inputs[1:]
         program = entry.program
-        outs, res = output[: entry.n_out], output[entry.n_out :]
+        outs, res = output[: entry.n_results], output[entry.n_results :]
         ctx.mark_non_differentiable(*(outs[k] for k in entry.nondiff_out), *res)
-        ctx.save_for_backward(
-            *(leaves[j] for j in program.saved_input_index),
-            *(outs[k] for k in program.saved_output_index),
-            *res,
-        )
+        if entry.recompute:
+            ctx.save_for_backward(*leaves)
+        else:
+            ctx.save_for_backward(
+                *(leaves[j] for j in program.saved_input_index),
+                *(outs[k] for k in program.saved_output_index),
+                *res,
+            )
         ctx.entry = entry
         ctx.n_leaves = len(leaves)
 
@@ -100,15 +110,18 @@ class BridgeFunction(torch.autograd.Function):
         entry = ctx.entry
         program = entry.program
         saved = ctx.saved_tensors
-        a = len(program.saved_input_index)
-        b = a + len(program.saved_output_index)
-        cots = [grads[k] for k in program.diff_out_index]
-        result = entry.program.backward(
-            entry.arrays(saved[:a], entry.saved_in_dtypes),
-            entry.arrays(saved[a:b], entry.saved_out_dtypes),
-            entry.arrays(saved[b:], entry.res_dtypes),
-            entry.arrays(cots, entry.cot_dtypes),
-        )
+        cots = entry.arrays([grads[k] for k in program.diff_out_index], entry.cot_dtypes)
+        if entry.recompute:
+            result = program.backward_recompute(entry.arrays(saved, entry.np_dtypes), cots)
+        else:
+            a = len(program.saved_input_index)
+            b = a + len(program.saved_output_index)
+            result = program.backward(
+                entry.arrays(saved[:a], entry.saved_in_dtypes),
+                entry.arrays(saved[a:b], entry.saved_out_dtypes),
+                entry.arrays(saved[b:], entry.res_dtypes),
+                cots,
+            )
         out = [None] * (1 + ctx.n_leaves)
         for slot, g in zip(entry.grad_slots, entry.tensors(result), strict=True):
             out[slot] = g

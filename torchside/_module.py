@@ -1,37 +1,48 @@
-"""FlaxModule: a Flax Linen module as a torch.nn.Module."""
+"""FlaxModule: a Flax (Linen or NNX) module as a torch.nn.Module."""
 
 from __future__ import annotations
-
-import collections
-import threading
 
 import jax
 import torch
 
 import bridge
-from flaxside import LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
-from torchside._function import BridgeFunction, Entry
-from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
+from flaxside import adapter_for, key_data_shape
+from torchside._caller import Caller
 from torchside._variables import attach_variables, current_tensors
 
 jtu = jax.tree_util
 
 
 class FlaxModule(torch.nn.Module):
-    """Runs a Flax Linen module inside PyTorch; torch owns its variables.
+    """Runs a Flax Linen or NNX module inside PyTorch; torch owns its variables.
 
-    ``params`` become ``nn.Parameter``s and every other collection persistent buffers, with
-    ``state_dict`` keys equal to the Flax path joined by ``.`` (``params.Dense_0.kernel``;
-    stacked scan parameters keep their leading axes). A call converts tensors to JAX without
-    copying, runs a jitted program compiled once per call signature, and converts results
-    back; gradients reach every parameter and every input that requires grad.
+    Parameters (Linen's ``params`` collection, NNX's ``nnx.Param``) become
+    ``nn.Parameter``s and all other state persistent buffers, with ``state_dict`` keys equal
+    to the Flax path joined by ``.`` (``params.Dense_0.kernel`` for Linen,
+    ``layers.0.kernel`` for NNX; stacked scan parameters keep their leading axes). A call
+    converts tensors to JAX without copying, runs a program compiled once per call
+    signature, and converts results back; gradients reach every parameter and every input
+    that requires grad.
+
+    Train and eval: in ``train()`` mode non-parameter state (``batch_stats``, counters) is
+    applied as mutable and the buffers are updated after each forward; in ``eval()`` mode it
+    is read-only. ``train_kwarg`` names the Linen keyword that receives the mode
+    (``"train"`` gets ``self.training``; ``"deterministic"`` and ``"use_running_average"``
+    get its negation). NNX modules follow ``.train()``/``.eval()`` by themselves.
 
     Args:
-        module: a ``flax.linen.Module``.
-        example_args: positional arguments for ``module.init`` (tensors or static values).
-        example_kwargs: keyword arguments for ``module.init``.
-        seed: the seed of ``jax.random.key`` used by ``module.init``.
-        variables: initial Flax variables; when given, ``module.init`` is not called.
+        module: a ``flax.linen.Module`` or ``flax.nnx.Module``.
+        example_args: positional arguments for Linen ``module.init`` (tensors or static values).
+        example_kwargs: keyword arguments for Linen ``module.init``.
+        seed: the seed of ``jax.random.key`` used by Linen ``module.init``.
+        variables: initial Linen variables; when given, ``module.init`` is not called.
+        rngs: RNG stream names (e.g. ``("dropout",)``); each forward draws their keys from
+            torch's default generator, so ``torch.manual_seed`` makes runs reproducible, and
+            the backward (and any recompute) reuses the forward's keys.
+        train_kwarg: the Linen keyword argument that receives the train/eval mode.
+        residuals: ``"save"`` holds exactly what the Flax remat policy keeps between forward
+            and backward; ``"recompute"`` holds only the inputs and reruns the forward in the
+            backward, like ``torch.utils.checkpoint`` around the whole block.
         cache_size: how many call signatures keep their compiled programs (LRU).
 
     Example:
@@ -51,23 +62,33 @@ class FlaxModule(torch.nn.Module):
         *,
         seed: int = 0,
         variables=None,
+        rngs: tuple[str, ...] | str = (),
+        train_kwarg: str | None = None,
+        residuals: str = "save",
         cache_size: int = 32,
     ):
         super().__init__()
+        rngs = (rngs,) if isinstance(rngs, str) else tuple(rngs)
         if not isinstance(example_args, tuple | list):
             example_args = (example_args,)
-        if variables is None:
+        if variables is None and hasattr(module, "init") and not _is_nnx(module):
+            init_rngs = {"params": jax.random.key(seed)}
+            init_rngs.update({name: jax.random.key(seed + 1 + i) for i, name in enumerate(rngs)})
             variables = module.init(
-                jax.random.key(seed),
+                init_rngs,
                 *bridge.tree_to_jax(tuple(example_args)),
                 **bridge.tree_to_jax(dict(example_kwargs or {})),
             )
         self.flax_module = module
-        self._var_treedef, self._refs, self._var_names = attach_variables(self, variables)
-        self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._cache_lock = threading.Lock()
-        self.cache_size = cache_size
-        self._epoch = 0
+        self._adapter = adapter_for(module, variables, rng_streams=rngs, train_kwarg=train_kwarg)
+        self._refs, self._var_names = attach_variables(self, self._adapter.leaves)
+        self._var_treedef = self._adapter.treedef
+        self._state_treedef = jtu.tree_structure((self._var_treedef.unflatten(
+            [0] * len(self._refs)), None if not rngs else 0))
+        self._rng_shape = (len(rngs), *key_data_shape()) if rngs else None
+        where = f"FlaxModule({type(module).__name__})"
+        self._caller = Caller(self._make_apply, where=where, residuals=residuals,
+                              cache_size=cache_size)
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
@@ -82,88 +103,86 @@ class FlaxModule(torch.nn.Module):
 
     def clear_caches(self) -> None:
         """Drops every compiled program; the next call compiles again."""
-        with self._cache_lock:
-            self._cache.clear()
-            self._epoch += 1
+        self._caller.clear()
+
+    @property
+    def cache_size(self) -> int:
+        """How many call signatures keep their compiled programs."""
+        return self._caller.cache_size
 
     @property
     def trace_count(self) -> int:
         """How many times the cached programs were traced (for tests of the cache)."""
-        return sum(e.program.trace_count for e in list(self._cache.values()))
+        return sum(e.program.trace_count for e in self._caller.entries)
 
     # -- the call -----------------------------------------------------------------------
+    def _make_apply(self, training: bool):
+        return self._adapter.make_apply(training), True  # (outputs, updates)
+
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
-        try:
-            return self._call(args, kwargs)
-        except StaleSignature:
-            # A variable was re-typed behind torch's back (``p.data = ...``): rebuild once.
-            self.clear_caches()
-            return self._call(args, kwargs)
-
-    def _call(self, args, kwargs):
-        tensors, treedef, static_key = split_args(args, kwargs, self._where)
         variables = current_tensors(self._refs)
-        grad_on = torch.is_grad_enabled()
-        key = (
-            treedef,
-            static_key,
-            tuple((t.shape, t.dtype, t.device, grad_on and t.requires_grad) for t in tensors),
-            tuple(v.requires_grad for v in variables) if grad_on else None,
-            self._epoch,
-            jax.config.jax_enable_x64,
+        if self._rng_shape is not None:
+            # From torch's default generator: torch.manual_seed reproduces the run, and
+            # torch.utils.checkpoint's RNG-state replay reproduces the key on recompute.
+            variables.append(torch.randint(-(2**31), 2**31 - 1, self._rng_shape,
+                                           dtype=torch.int32))
+        outs, updates, entry = self._caller(
+            variables, self._state_treedef, self._var_names + ("rngs",) * bool(self._rng_shape),
+            args, kwargs, context=self.training,
         )
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._build(key, variables, tensors, treedef, static_key, grad_on)
-        leaves = variables + tensors
-        if entry.program.diff_index:
-            outs = BridgeFunction.apply(entry, *leaves)[: entry.n_out]
-        else:
-            outs = entry.run(leaves)
-        return jtu.tree_unflatten(entry.out_treedef, outs)
+        if updates:
+            if entry.aux_targets is None:
+                entry.aux_targets = self._adapter.mutable_index(self.training)
+            with torch.no_grad():
+                for i, new in zip(entry.aux_targets, updates, strict=True):
+                    variables[i].copy_(new)
+        return outs
 
-    @property
-    def _where(self) -> str:
-        return f"FlaxModule({type(self.flax_module).__name__})"
+    # -- moving weights between worlds --------------------------------------------------
+    def flax_variables(self):
+        """The current parameters and buffers as Flax state (zero-copy views).
 
-    def _build(self, key, variables, tensors, treedef, static_key, grad_on) -> Entry:
-        if variables:
-            device = variables[0].device
-        elif tensors:
-            device = tensors[0].device
-        else:
-            device = torch.device("cpu")
-        names = list(self._var_names) + arg_names_of_tensors(treedef, static_key)
-        leaves = variables + tensors
-        np_dtypes = leaf_dtypes(leaves, names, device, self._where)
-        specs = [
-            LeafSpec(tuple(t.shape), d, grad_on and t.requires_grad and is_differentiable(d))
-            for t, d in zip(leaves, np_dtypes, strict=True)
-        ]
-        fn = flat_apply(self.flax_module.apply, self._var_treedef, treedef, arg_slots(static_key))
-        try:
-            program = Program(fn, specs, name=self._where)
-        except StaleSignature:
-            raise
-        except Exception as e:
-            if hasattr(e, "add_note"):
-                shapes = ", ".join(
-                    f"{n}: {t.dtype}{list(t.shape)}"
-                    for n, t in zip(names[len(variables) :], tensors, strict=True)
+        Linen: the variables dict (``{"params": ..., "batch_stats": ...}``). NNX: a
+        ``(params, rest)`` pair of ``nnx.State`` to pass to ``nnx.merge(graphdef, ...)``;
+        keys are raw key data. The arrays share memory with the torch tensors.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> m = FlaxModule(nn.Dense(3), example_args=(torch.zeros(1, 2),))
+            >>> m.flax_variables()["params"]["kernel"].shape
+            (2, 3)
+        """
+        return self._adapter.variables(
+            [bridge.to_jax(t, name=n) for t, n in
+             zip(current_tensors(self._refs), self._var_names, strict=True)]
+        )
+
+    def load_flax_variables(self, variables) -> None:
+        """Copies Flax variables (same structure as ``flax_variables()``) into the module.
+
+        Raises:
+            ValueError: the structure differs, or a leaf's shape differs (names the path).
+        """
+        leaves, treedef = jtu.tree_flatten(variables)
+        if treedef != self._var_treedef:
+            raise ValueError(
+                f"load_flax_variables: the variables have structure {treedef}, expected "
+                f"{self._var_treedef}. Pass what flax_variables() returns for this module."
+            )
+        targets = current_tensors(self._refs)
+        for name, t, leaf in zip(self._var_names, targets, leaves, strict=True):
+            if tuple(leaf.shape) != tuple(t.shape):
+                raise ValueError(
+                    f"load_flax_variables: '{name}' has shape {tuple(leaf.shape)}, expected "
+                    f"{tuple(t.shape)}."
                 )
-                e.add_note(f"{self._where} was called with {shapes or 'no tensors'}.")
-            raise
-        entry = Entry(program, np_dtypes, device)
-        with self._cache_lock:
-            self._cache[key] = entry
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return entry
+        with torch.no_grad():
+            for name, t, leaf in zip(self._var_names, targets, leaves, strict=True):
+                t.copy_(bridge.to_torch(jax.numpy.asarray(leaf), name=name))
 
 
-def arg_names_of_tensors(treedef, static_key) -> list[str]:
-    """Names of the tensor leaves only, in order."""
-    from flaxside import ARRAY
+def _is_nnx(module) -> bool:
+    from flax import nnx
 
-    return [n for n, s in zip(arg_names(treedef), static_key, strict=True) if s is ARRAY]
+    return isinstance(module, nnx.Module)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import jax
 import torch
 
 import bridge
-
-jtu = jax.tree_util
 
 
 class FlaxScope(torch.nn.Module):
@@ -17,37 +14,29 @@ class FlaxScope(torch.nn.Module):
         raise RuntimeError("FlaxScope only holds variables; call the FlaxModule that owns it.")
 
 
-def _path_keys(path) -> list[str]:
-    keys = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
-        key = str(key)
-        if not key or "." in key:
-            raise ValueError(
-                f"FlaxModule: the Flax variable path {jtu.keystr(path)} has the part {key!r}, "
-                f"which cannot be a torch state_dict name part (empty or containing '.'). "
-                f"Rename the Flax submodule or variable."
-            )
-        keys.append(key)
-    return keys
+def attach_variables(root: torch.nn.Module, leaves):
+    """Registers variable leaves on ``root`` under their Flax paths.
 
+    Parameters become ``nn.Parameter``s, the rest persistent buffers; both own a copy of
+    the values (torch owns the state, JAX only borrows it for a call). Entries are written
+    straight into ``_parameters``/``_modules``/``_buffers`` so that a Flax name such as
+    ``train`` or ``to`` cannot collide with a torch attribute.
 
-def attach_variables(root: torch.nn.Module, variables, trainable=("params",)):
-    """Registers every variable leaf on ``root`` under its Flax path.
-
-    Collections named in ``trainable`` become ``nn.Parameter``s, the others persistent
-    buffers; both own a copy of the values (torch owns the state, JAX only borrows it for
-    a call). Entries are written straight into ``_parameters``/``_modules``/``_buffers`` so
-    that a Flax name such as ``train`` or ``to`` cannot collide with a torch attribute.
+    Args:
+        root: the module to attach to.
+        leaves: ``(dotted name, JAX array, is_param)`` per leaf, in the adapter's order.
 
     Returns:
-        ``(treedef, refs, names)``: the variables' treedef and, per leaf in flatten order,
-        ``(scope, name, is_param)`` and the dotted path.
+        ``(refs, names)``: per leaf ``(scope, name, is_param)``, and the dotted names.
     """
-    path_leaves, treedef = jtu.tree_flatten_with_path(variables)
     refs, names = [], []
-    for path, leaf in path_leaves:
-        keys = _path_keys(path)
+    for dotted, value, is_param in leaves:
+        keys = dotted.split(".")
+        if not all(keys):
+            raise ValueError(
+                f"FlaxModule: the Flax variable path {dotted!r} has an empty part, which "
+                f"cannot be a torch state_dict name. Rename the Flax submodule or variable."
+            )
         scope = root
         for k in keys[:-1]:
             child = scope._modules.get(k)
@@ -55,17 +44,16 @@ def attach_variables(root: torch.nn.Module, variables, trainable=("params",)):
                 child = FlaxScope()
                 scope._modules[k] = child
             scope = child
-        value = bridge.to_torch(jax.numpy.asarray(leaf), copy=True, name=".".join(keys))
-        is_param = keys[0] in trainable
+        tensor = bridge.to_torch(value, copy=True, name=dotted)
         if is_param:
             scope._parameters[keys[-1]] = torch.nn.Parameter(
-                value, requires_grad=bool(value.is_floating_point() or value.is_complex())
+                tensor, requires_grad=bool(tensor.is_floating_point() or tensor.is_complex())
             )
         else:
-            scope._buffers[keys[-1]] = value
+            scope._buffers[keys[-1]] = tensor
         refs.append((scope, keys[-1], is_param))
-        names.append(".".join(keys))
-    return treedef, tuple(refs), tuple(names)
+        names.append(dotted)
+    return tuple(refs), tuple(names)
 
 
 def current_tensors(refs) -> list[torch.Tensor]:

@@ -1,0 +1,136 @@
+"""Compiles and runs a JAX function of (variables, *args, **kwargs) from torch, per signature."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+
+import jax
+import torch
+
+from flaxside import ARRAY, LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
+from torchside._function import RESIDUAL_MODES, BridgeFunction, Entry
+from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
+
+jtu = jax.tree_util
+
+
+def check_residuals(residuals: str, where: str) -> str:
+    """Validates the boundary mode option."""
+    if residuals not in RESIDUAL_MODES:
+        raise ValueError(
+            f"{where}: residuals={residuals!r} is not one of {RESIDUAL_MODES}. Use 'save' to "
+            f"hold what the remat policy keeps, or 'recompute' to hold only the inputs."
+        )
+    return residuals
+
+
+class Caller:
+    """The compile cache and the call path shared by ``FlaxModule`` and ``jax_function``.
+
+    Args:
+        make_apply: ``make_apply(context) -> (apply, has_aux)`` where ``apply(variables,
+            *args, **kwargs)`` returns outputs, or ``(outputs, aux)`` with ``has_aux``.
+            ``context`` is a hashable value the owner passes per call (train mode, ...).
+        where: the owner's name for error messages.
+        residuals: the boundary mode, ``"save"`` or ``"recompute"``.
+        cache_size: how many signatures keep their compiled programs (LRU).
+    """
+
+    def __init__(self, make_apply: Callable, *, where: str, residuals: str = "save",
+                 cache_size: int = 32):
+        self.make_apply = make_apply
+        self.where = where
+        self.residuals = check_residuals(residuals, where)
+        self.cache_size = cache_size
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._epoch = 0
+
+    def clear(self) -> None:
+        """Drops every compiled program; the next call compiles again."""
+        with self._lock:
+            self._cache.clear()
+            self._epoch += 1
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The cached entries, oldest first."""
+        return list(self._cache.values())
+
+    def __call__(self, variables, var_treedef, var_names, args, kwargs, context=()):
+        """Runs one call. Returns ``(outputs pytree, aux leaves, entry)``."""
+        try:
+            return self._call(variables, var_treedef, var_names, args, kwargs, context)
+        except StaleSignature:
+            # A variable was re-typed behind torch's back (``p.data = ...``): rebuild once.
+            self.clear()
+            return self._call(variables, var_treedef, var_names, args, kwargs, context)
+
+    def _call(self, variables, var_treedef, var_names, args, kwargs, context):
+        tensors, treedef, static_key = split_args(args, kwargs, self.where)
+        grad_on = torch.is_grad_enabled()
+        key = (
+            treedef,
+            static_key,
+            tuple((t.shape, t.dtype, t.device, grad_on and t.requires_grad) for t in tensors),
+            tuple(v.requires_grad for v in variables) if grad_on else None,
+            self._epoch,
+            context,
+            jax.config.jax_enable_x64,
+        )
+        entry = self._cache.get(key)
+        if entry is not None:
+            try:
+                self._cache.move_to_end(key)  # LRU
+            except KeyError:  # evicted by another thread just now
+                pass
+        else:
+            entry = self._build(key, variables, var_treedef, var_names, tensors, treedef,
+                                static_key, grad_on, context)
+        leaves = list(variables) + tensors
+        if entry.program.diff_index:
+            results = BridgeFunction.apply(entry, *leaves)[: entry.n_results]
+        else:
+            results = entry.run(leaves)
+        outs = jtu.tree_unflatten(entry.program.out_treedef, results[: entry.n_out])
+        return outs, results[entry.n_out :], entry
+
+    def _build(self, key, variables, var_treedef, var_names, tensors, treedef, static_key,
+               grad_on, context) -> Entry:
+        if variables:
+            device = variables[0].device
+        elif tensors:
+            device = tensors[0].device
+        else:
+            device = torch.device("cpu")
+        names = list(var_names) + [
+            n for n, s in zip(arg_names(treedef), static_key, strict=True) if s is ARRAY
+        ]
+        leaves = list(variables) + tensors
+        np_dtypes = leaf_dtypes(leaves, names, device, self.where)
+        specs = [
+            LeafSpec(tuple(t.shape), d, grad_on and t.requires_grad and is_differentiable(d))
+            for t, d in zip(leaves, np_dtypes, strict=True)
+        ]
+        apply, has_aux = self.make_apply(context)
+        fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
+        try:
+            program = Program(fn, specs, has_aux=has_aux, name=self.where)
+        except StaleSignature:
+            raise
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python 3.11+: keep the type, add what we received
+                shapes = ", ".join(
+                    f"{n}: {t.dtype}{list(t.shape)}"
+                    for n, t in zip(names[len(variables):], tensors, strict=True)
+                )
+                e.add_note(f"{self.where} was called with {shapes or 'no tensors'}.")
+            raise
+        entry = Entry(program, np_dtypes, device, self.residuals)
+        with self._lock:
+            self._cache[key] = entry
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return entry
