@@ -76,6 +76,10 @@ def _distinct(results: list, inputs: Sequence) -> list:
     return out
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _internal_assert(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(
@@ -207,6 +211,13 @@ class Program:
                 by_id_res[id(leaf)] = len(residuals)
                 sources.append(("res", len(residuals)))
                 residuals.append(jnp.asarray(leaf))
+        # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
+        # leave as raw key data and are wrapped again, with the same implementation, inside
+        # the backward.
+        self._key_impls = tuple(
+            jax.random.key_impl(r) if _is_key(r) else None for r in residuals
+        )
+        residuals = [jax.random.key_data(r) if _is_key(r) else r for r in residuals]
         self._vjp_treedef = vjp_treedef
         self._vjp_sources = tuple(sources)
         self.saved_input_index = tuple(saved_in)
@@ -216,6 +227,10 @@ class Program:
 
     def _bwd(self, saved_inputs, saved_outputs, residuals, cotangents):
         self.trace_count += 1
+        residuals = [
+            r if impl is None else jax.random.wrap_key_data(r, impl=impl)
+            for r, impl in zip(residuals, self._key_impls, strict=True)
+        ]
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
         vjp_leaves = [pools[kind][i] for kind, i in self._vjp_sources]
         vjp = jtu.tree_unflatten(self._vjp_treedef, vjp_leaves)
