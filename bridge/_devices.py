@@ -42,7 +42,7 @@ def configure_gpu_memory() -> None:
         )
 
 
-@ft.lru_cache(maxsize=None)
+@ft.cache
 def _gpu_devices() -> tuple:
     for backend in ("cuda", "gpu", "rocm"):
         try:
@@ -52,7 +52,7 @@ def _gpu_devices() -> tuple:
     return ()
 
 
-@ft.lru_cache(maxsize=None)
+@ft.cache
 def jax_device(device: torch.device, *, name: str = "tensor"):
     """The JAX device holding the same memory as a torch device.
 

@@ -1,11 +1,5 @@
 """Pure JAX/Flax: compiled forward/residual/backward programs. Never imports torch."""
 
-from flaxside._flat import ARRAY as ARRAY
-from flaxside._flat import flat_apply as flat_apply
-from flaxside._program import LeafSpec as LeafSpec
-from flaxside._program import Program as Program
-from flaxside._program import StaleSignature as StaleSignature
-from flaxside._program import is_differentiable as is_differentiable
 from flaxside._adapters import INVERTED_TRAIN_KWARGS as INVERTED_TRAIN_KWARGS
 from flaxside._adapters import LinenAdapter as LinenAdapter
 from flaxside._adapters import NNXAdapter as NNXAdapter
@@ -13,3 +7,9 @@ from flaxside._adapters import adapter_for as adapter_for
 from flaxside._adapters import key_data_shape as key_data_shape
 from flaxside._adapters import wrap_keys as wrap_keys
 from flaxside._depends import depends_on as depends_on
+from flaxside._flat import ARRAY as ARRAY
+from flaxside._flat import flat_apply as flat_apply
+from flaxside._program import LeafSpec as LeafSpec
+from flaxside._program import Program as Program
+from flaxside._program import StaleSignature as StaleSignature
+from flaxside._program import is_differentiable as is_differentiable

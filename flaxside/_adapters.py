@@ -57,7 +57,7 @@ class LinenAdapter:
         self.train_kwarg = train_kwarg
         path_leaves, self.treedef = jtu.tree_flatten_with_path(variables)
         self.leaves = tuple(
-            (".".join(_key_name(k) for k in path), jnp.asarray(leaf), _key_name(path[0]) == "params")
+            (".".join(map(_key_name, path)), jnp.asarray(leaf), _key_name(path[0]) == "params")
             for path, leaf in path_leaves
         )
         self._collections = tuple(_key_name(p[0]) for p, _ in path_leaves)
@@ -131,6 +131,11 @@ class NNXAdapter:
             (i, tags[i]) for i in self._key_index
             if i < len(tags) and tags[i] in self.rng_streams
         )
+        # A stream's count is reset with its key, so masks depend on torch's draw alone.
+        self._stream_counts = tuple(
+            i for i, (_, v) in enumerate(flat_rest)
+            if isinstance(v, nnx.RngCount) and getattr(v, "tag", None) in self.rng_streams
+        )
 
         def name(path):
             parts = [_key_name(k) for k in path]
@@ -152,6 +157,7 @@ class NNXAdapter:
         """``apply(state, *args, **kwargs) -> (outputs, updates)`` for one mode."""
         graphdef, key_index = self.graphdef, set(self._key_index)
         stream_keys, streams = self._stream_keys, self.rng_streams
+        stream_counts = self._stream_counts
         write_back = bool(self.mutable_index(training))
 
         def apply(state, *args, **kwargs):
@@ -163,6 +169,8 @@ class NNXAdapter:
                 drawn = wrap_keys(raw, streams)
                 for n, (i, tag) in enumerate(stream_keys):
                     r_leaves[i] = jax.random.fold_in(drawn[tag], n)
+                for i in stream_counts:
+                    r_leaves[i] = jnp.zeros_like(r_leaves[i])
             model = nnx.merge(graphdef, params, jtu.tree_unflatten(r_def, r_leaves))
             if training:
                 model.train()

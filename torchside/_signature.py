@@ -24,7 +24,7 @@ def split_args(args: tuple, kwargs: dict, where: str):
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     tensors = []
     static = []
-    for i, leaf in enumerate(leaves):
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             static.append(ARRAY)

@@ -57,5 +57,5 @@ def attach_variables(root: torch.nn.Module, leaves):
 
 
 def current_tensors(refs) -> list[torch.Tensor]:
-    """The variables' tensors as they are now (``.to()`` or ``load_state_dict`` may replace them)."""
+    """The variables' tensors now (``.to()`` or ``load_state_dict`` may replace them)."""
     return [s._parameters[n] if p else s._buffers[n] for s, n, p in refs]

@@ -1,0 +1,131 @@
+"""NNX modules through FlaxModule: names, gradients against nnx.grad, state, RNG."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from torchside import FlaxModule
+
+
+def _t(a):
+    return torch.from_numpy(np.array(a))
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(5, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, momentum=0.7, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.fc2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(self.drop(nnx.relu(self.bn(self.fc1(x)))))
+
+
+class Block(nnx.Module):
+    def __init__(self, width, rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.fc = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + nnx.gelu(self.fc(self.norm(x)))
+
+
+class ScanRematStack(nnx.Module):
+    """Layers made with nnx.vmap + split_rngs; applied with nnx.scan over nnx.remat."""
+
+    def __init__(self, width, depth, rngs):
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(width, rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(layer, h):
+            return layer(h)
+
+        return body(self.layers, x)
+
+
+def _grads_by_nnx(model, x, ct):
+    def loss(model, x):
+        return jnp.sum(model(x) * ct)
+
+    return nnx.grad(loss, argnums=(0, 1))(model, x)
+
+
+def test_names_are_attribute_paths_and_params_are_parameters():
+    m = FlaxModule(MLP(nnx.Rngs(0)))
+    params = dict(m.named_parameters())
+    buffers = dict(m.named_buffers())
+    assert {"fc1.kernel", "fc1.bias", "bn.scale", "fc2.kernel"} <= set(params)
+    assert {"bn.mean", "bn.var", "drop.rngs.key", "drop.rngs.count"} <= set(buffers)
+    assert buffers["drop.rngs.key"].dtype == torch.uint32
+
+
+def test_scan_remat_stack_gradients_equal_nnx_grad():
+    model = ScanRematStack(8, 6, nnx.Rngs(1))
+    m = FlaxModule(model)
+    assert dict(m.named_parameters())["layers.fc.kernel"].shape == (6, 8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    ct = torch.randn(4, 8)
+    y = m(x)
+    (y * ct).sum().backward()
+    g_model, g_x = _grads_by_nnx(model, jnp.asarray(x.detach().numpy()), jnp.asarray(ct.numpy()))
+    torch.testing.assert_close(y.detach(), _t(model(jnp.asarray(x.detach().numpy()))))
+    torch.testing.assert_close(x.grad, _t(g_x))
+    g_state = nnx.state(g_model, nnx.Param)
+    for path, g in jax.tree_util.tree_flatten_with_path(g_state)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path[:-1])
+        torch.testing.assert_close(dict(m.named_parameters())[name].grad, _t(g), msg=name)
+
+
+def test_batchnorm_statistics_follow_pure_nnx_in_train_mode():
+    model = MLP(nnx.Rngs(0, dropout=1))
+    model.drop.rate = 0.0  # no randomness: compare statistics only
+    m = FlaxModule(model)
+    reference = nnx.clone(model)
+    reference.train()
+    for _ in range(3):
+        x = torch.randn(6, 5)
+        torch.testing.assert_close(m(x).detach(), _t(reference(jnp.asarray(x.numpy()))))
+    torch.testing.assert_close(m.bn.mean, _t(reference.bn.mean[...]))
+    torch.testing.assert_close(m.bn.var, _t(reference.bn.var[...]))
+    m.eval()
+    reference.eval()
+    before = m.bn.mean.clone()
+    x = torch.randn(6, 5)
+    torch.testing.assert_close(m(x), _t(reference(jnp.asarray(x.numpy()))))
+    assert torch.equal(m.bn.mean, before)
+
+
+class Drop(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(5, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.fc(x))
+
+
+def test_dropout_streams_drawn_from_torch_seed():
+    m = FlaxModule(Drop(nnx.Rngs(0, dropout=1)), rngs=("dropout",))
+    x = torch.randn(6, 5)
+    torch.manual_seed(4)
+    a = m(x)
+    torch.manual_seed(4)
+    b = m(x)
+    c = m(x)
+    assert torch.equal(a, b) and not torch.equal(b, c)
+
+
+def test_nnx_rejects_linen_only_options():
+    with pytest.raises(ValueError, match="train_kwarg"):
+        FlaxModule(MLP(nnx.Rngs(0)), train_kwarg="train")
