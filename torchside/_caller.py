@@ -99,20 +99,45 @@ class Caller:
 
     def _build(self, key, variables, var_treedef, var_names, tensors, treedef, static_key,
                grad_on, context) -> Entry:
-        if variables:
-            device = variables[0].device
-        elif tensors:
-            device = tensors[0].device
+        leaves = list(variables) + tensors
+        diff = [grad_on and t.requires_grad for t in leaves]
+        entry = self.build_entry(leaves, diff, var_treedef, var_names, len(variables), treedef,
+                                 static_key, context)
+        with self._lock:
+            self._cache[key] = entry
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return entry
+
+    def build_entry(self, leaves, diff, var_treedef, var_names, n_vars, treedef, static_key,
+                    context) -> Entry:
+        """Compiles the programs for one signature (not cached here).
+
+        Args:
+            leaves: variable tensors then argument tensors (real or fake: only their
+                metadata is read).
+            diff: per leaf, whether a gradient is wanted (floating dtypes only count).
+            var_treedef: treedef of the state the variable leaves rebuild.
+            var_names: names of the variable leaves, for error messages.
+            n_vars: how many leading leaves are variables.
+            treedef: treedef of ``(args, kwargs)``.
+            static_key: per argument leaf, ``ARRAY`` or ``(type, value)``.
+            context: the owner's per-call context (train mode).
+
+        Returns:
+            A new ``Entry``.
+        """
+        if leaves:
+            device = leaves[0].device
         else:
             device = torch.device("cpu")
         names = list(var_names) + [
             n for n, s in zip(arg_names(treedef), static_key, strict=True) if s is ARRAY
         ]
-        leaves = list(variables) + tensors
         np_dtypes = leaf_dtypes(leaves, names, device, self.where)
         specs = [
-            LeafSpec(tuple(t.shape), d, grad_on and t.requires_grad and is_differentiable(d))
-            for t, d in zip(leaves, np_dtypes, strict=True)
+            LeafSpec(tuple(int(d) for d in t.shape), dt, bool(want) and is_differentiable(dt))
+            for t, dt, want in zip(leaves, np_dtypes, diff, strict=True)
         ]
         apply, has_aux = self.make_apply(context)
         fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
@@ -124,13 +149,8 @@ class Caller:
             if hasattr(e, "add_note"):  # Python 3.11+: keep the type, add what we received
                 shapes = ", ".join(
                     f"{n}: {t.dtype}{list(t.shape)}"
-                    for n, t in zip(names[len(variables):], tensors, strict=True)
+                    for n, t in zip(names[n_vars:], leaves[n_vars:], strict=True)
                 )
                 e.add_note(f"{self.where} was called with {shapes or 'no tensors'}.")
             raise
-        entry = Entry(program, np_dtypes, device, self.residuals)
-        with self._lock:
-            self._cache[key] = entry
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return entry
+        return Entry(program, np_dtypes, device, self.residuals)

@@ -25,7 +25,7 @@ class Entry:
 
     __slots__ = ("program", "np_dtypes", "device", "cpu", "recompute", "n_results", "n_out",
                  "nondiff_out", "res_dtypes", "saved_in_dtypes", "saved_out_dtypes",
-                 "cot_dtypes", "grad_slots", "traced", "aux_targets")
+                 "cot_dtypes", "grad_slots", "traced", "aux_targets", "compile_id")
 
     def __init__(self, program: Program, np_dtypes, device: torch.device, residuals="save"):
         self.program = program

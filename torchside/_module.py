@@ -8,6 +8,7 @@ import torch
 import bridge
 from flaxside import adapter_for, key_data_shape
 from torchside._caller import Caller
+from torchside._compile import compiled_call, register_module
 from torchside._variables import attach_variables, current_tensors
 
 jtu = jax.tree_util
@@ -86,9 +87,11 @@ class FlaxModule(torch.nn.Module):
         self._state_treedef = jtu.tree_structure((self._var_treedef.unflatten(
             [0] * len(self._refs)), None if not rngs else 0))
         self._rng_shape = (len(rngs), *key_data_shape()) if rngs else None
+        self._leaf_names = self._var_names + ("rngs",) * bool(rngs)
         where = f"FlaxModule({type(module).__name__})"
         self._caller = Caller(self._make_apply, where=where, residuals=residuals,
                               cache_size=cache_size)
+        self._bridge_id = register_module(self)
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
@@ -119,17 +122,23 @@ class FlaxModule(torch.nn.Module):
     def _make_apply(self, training: bool):
         return self._adapter.make_apply(training), True  # (outputs, updates)
 
-    def forward(self, *args, **kwargs):
-        """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
+    def _call_variables(self) -> list[torch.Tensor]:
         variables = current_tensors(self._refs)
         if self._rng_shape is not None:
             # From torch's default generator: torch.manual_seed reproduces the run, and
             # torch.utils.checkpoint's RNG-state replay reproduces the key on recompute.
             variables.append(torch.randint(-(2**31), 2**31 - 1, self._rng_shape,
                                            dtype=torch.int32))
+        return variables
+
+    def forward(self, *args, **kwargs):
+        """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
+        if torch.compiler.is_compiling():
+            return compiled_call(self, args, kwargs)
+        variables = self._call_variables()
         outs, updates, entry = self._caller(
-            variables, self._state_treedef, self._var_names + ("rngs",) * bool(self._rng_shape),
-            args, kwargs, context=self.training,
+            variables, self._state_treedef, self._leaf_names, args, kwargs,
+            context=self.training,
         )
         if updates:
             if entry.aux_targets is None:
