@@ -9,6 +9,7 @@ from collections.abc import Callable
 import jax
 import torch
 
+import bridge
 from flaxside import ARRAY, LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
 from torchside._function import RESIDUAL_MODES, BridgeFunction, Entry
 from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
@@ -135,6 +136,7 @@ class Caller:
             n for n, s in zip(arg_names(treedef), static_key, strict=True) if s is ARRAY
         ]
         np_dtypes = leaf_dtypes(leaves, names, device, self.where)
+        bridge.jax_device(device, name=names[0] if names else "input")  # JAX has it?
         specs = [
             LeafSpec(tuple(int(d) for d in t.shape), dt, bool(want) and is_differentiable(dt))
             for t, dt, want in zip(leaves, np_dtypes, diff, strict=True)

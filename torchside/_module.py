@@ -44,6 +44,12 @@ class FlaxModule(torch.nn.Module):
         residuals: ``"save"`` holds exactly what the Flax remat policy keeps between forward
             and backward; ``"recompute"`` holds only the inputs and reruns the forward in the
             backward, like ``torch.utils.checkpoint`` around the whole block.
+        autocast: behaviour under ``torch.autocast``: ``"outputs"`` (default) runs the
+            block in its parameters' dtype and casts floating outputs to the autocast dtype,
+            as torch casts a Linear's output; ``"inputs"`` casts floating inputs and
+            parameters to the autocast dtype (gradients flow back to the full-precision
+            parameters, as with torch's own autocast) and runs the block in it; ``"off"``
+            ignores autocast.
         cache_size: how many call signatures keep their compiled programs (LRU).
 
     Example:
@@ -66,9 +72,18 @@ class FlaxModule(torch.nn.Module):
         rngs: tuple[str, ...] | str = (),
         train_kwarg: str | None = None,
         residuals: str = "save",
+        autocast: str = "outputs",
         cache_size: int = 32,
     ):
         super().__init__()
+        if autocast not in AUTOCAST_MODES:
+            raise ValueError(
+                f"FlaxModule: autocast={autocast!r} is not one of {AUTOCAST_MODES}: 'outputs' "
+                f"runs the block in its own dtype and casts its floating outputs to the "
+                f"autocast dtype, 'inputs' runs it in the autocast dtype, 'off' ignores "
+                f"autocast."
+            )
+        self.autocast = autocast
         rngs = (rngs,) if isinstance(rngs, str) else tuple(rngs)
         if not isinstance(example_args, tuple | list):
             example_args = (example_args,)
@@ -88,6 +103,7 @@ class FlaxModule(torch.nn.Module):
             [0] * len(self._refs)), None if not rngs else 0))
         self._rng_shape = (len(rngs), *key_data_shape()) if rngs else None
         self._leaf_names = self._var_names + ("rngs",) * bool(rngs)
+        self._leaf_is_param = tuple(p for _, _, p in self._refs) + (False,) * bool(rngs)
         where = f"FlaxModule({type(module).__name__})"
         self._caller = Caller(self._make_apply, where=where, residuals=residuals,
                               cache_size=cache_size)
@@ -136,8 +152,15 @@ class FlaxModule(torch.nn.Module):
         if torch.compiler.is_compiling():
             return compiled_call(self, args, kwargs)
         variables = self._call_variables()
+        leaves = variables
+        cast = self._autocast_dtype(variables)
+        if cast is not None and self.autocast == "inputs":
+            leaves = [_cast(v, cast) if is_param else v
+                      for v, is_param in zip(variables, self._leaf_is_param, strict=True)]
+            args, kwargs = jtu.tree_map(lambda t: _cast(t, cast), (args, kwargs),
+                                        is_leaf=lambda x: isinstance(x, torch.Tensor))
         outs, updates, entry = self._caller(
-            variables, self._state_treedef, self._leaf_names, args, kwargs,
+            leaves, self._state_treedef, self._leaf_names, args, kwargs,
             context=self.training,
         )
         if updates:
@@ -146,7 +169,27 @@ class FlaxModule(torch.nn.Module):
             with torch.no_grad():
                 for i, new in zip(entry.aux_targets, updates, strict=True):
                     variables[i].copy_(new)
+        if cast is not None and self.autocast == "outputs":
+            outs = jtu.tree_map(lambda t: _cast(t, cast), outs)
         return outs
+
+    def _autocast_dtype(self, variables):
+        if self.autocast == "off":
+            return None
+        device_type = variables[0].device.type if variables else "cpu"
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+
+    # -- dtype and device moves ---------------------------------------------------------
+    def to(self, *args, **kwargs):  # noqa: D102
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        _check_wide(dtype, "to")
+        return super().to(*args, **kwargs)
+
+    def double(self):  # noqa: D102
+        _check_wide(torch.float64, "double")
+        return super().double()
 
     # -- moving weights between worlds --------------------------------------------------
     def flax_variables(self):
@@ -189,6 +232,24 @@ class FlaxModule(torch.nn.Module):
         with torch.no_grad():
             for name, t, leaf in zip(self._var_names, targets, leaves, strict=True):
                 t.copy_(bridge.to_torch(jax.numpy.asarray(leaf), name=name))
+
+
+AUTOCAST_MODES = ("outputs", "inputs", "off")
+
+
+def _cast(t, dtype):
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def _check_wide(dtype, method: str) -> None:
+    if dtype in (torch.float64, torch.complex128) and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"FlaxModule.{method}: moving to {dtype} needs JAX's 64-bit mode, which is off, "
+            f"so JAX would silently compute in 32 bits. Enable it before the first call with "
+            f"jax.config.update('jax_enable_x64', True), or keep the module in float32."
+        )
 
 
 def _is_nnx(module) -> bool:

@@ -1,0 +1,61 @@
+"""One process of the DDP test: trains a model holding a FlaxModule on its shard of a batch.
+
+Run by tests/test_ddp.py as ``python tests/ddp_worker.py RANK WORLD PORT OUT``; with WORLD
+1 it trains on the full batch without torch.distributed (the reference).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import flax.linen as nn  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from torchside import FlaxModule  # noqa: E402
+
+STEPS, BATCH = 3, 16
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        body = nn.remat_scan(nn.remat(nn.Dense), lengths=(2, 2))
+        return nn.tanh(body(8, name="stack")(x))
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 8),
+        FlaxModule(Block(), example_args=(torch.zeros(2, 8),), seed=0),
+        torch.nn.Linear(8, 2),
+    )
+
+
+def main(rank: int, world: int, port: int, out: str) -> None:
+    model = build()
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, 5, generator=gen)
+        y = torch.randn(BATCH, 2, generator=gen)
+        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = (model.module if world > 1 else model).state_dict()
+    if rank == 0:
+        torch.save(state, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
