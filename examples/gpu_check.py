@@ -60,7 +60,8 @@ def memory_comparison() -> list[tuple[str, str]]:
     for name, module in (("remat_scan (16,16)", Remat()), ("scan, no remat", Plain())):
         m = FlaxModule(module, example_args=(x.detach().cpu(),)).cuda()
         packed = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+        with torch.autograd.graph.saved_tensors_hooks(packed.append and (lambda t, p=packed:
+                                                                         p.append(t) or t),
                                                       lambda t: t):
             y = m(x)
         skip = {p.data_ptr() for p in m.parameters()} | {x.data_ptr()}
