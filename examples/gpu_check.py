@@ -32,6 +32,14 @@ def gpu_available() -> bool:
         return False
 
 
+def _collector(store: list):
+    def pack(t):
+        store.append(t)
+        return t
+
+    return pack
+
+
 def memory_comparison() -> list[tuple[str, str]]:
     import flax.linen as nn
 
@@ -60,9 +68,7 @@ def memory_comparison() -> list[tuple[str, str]]:
     for name, module in (("remat_scan (16,16)", Remat()), ("scan, no remat", Plain())):
         m = FlaxModule(module, example_args=(x.detach().cpu(),)).cuda()
         packed = []
-        with torch.autograd.graph.saved_tensors_hooks(packed.append and (lambda t, p=packed:
-                                                                         p.append(t) or t),
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(_collector(packed), lambda t: t):
             y = m(x)
         skip = {p.data_ptr() for p in m.parameters()} | {x.data_ptr()}
         held = sum(t.numel() * t.element_size() for t in packed if t.data_ptr() not in skip)
