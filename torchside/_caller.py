@@ -11,7 +11,7 @@ import torch
 
 import bridge
 from flaxside import ARRAY, LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
-from torchside._function import RESIDUAL_MODES, BridgeFunction, Entry
+from torchside._function import RESIDUAL_MODES, Entry, apply_bridge
 from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
 
 jtu = jax.tree_util
@@ -92,7 +92,7 @@ class Caller:
                                 static_key, grad_on, context)
         leaves = list(variables) + tensors
         if entry.program.diff_index:
-            results = BridgeFunction.apply(entry, *leaves)[: entry.n_results]
+            results = apply_bridge(entry, *leaves)[: entry.n_results]
         else:
             results = entry.run(leaves)
         outs = jtu.tree_unflatten(entry.program.out_treedef, results[: entry.n_out])
