@@ -179,3 +179,29 @@ def test_static_arguments_are_part_of_the_compile_key():
     m(x, 1.0), m(x, 1.0), m(x, 2.0), m(x, 1)
     assert len(m._caller.entries) == 3  # 1.0, 2.0 and the int 1 compile apart
     torch.testing.assert_close(m(x, 2.0), 2 * m(x, 1.0))
+
+
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+def test_train_mode_state_with_both_boundary_modes(residuals):
+    class Counter(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            n = self.variable("counter", "n", lambda: jnp.ones((), jnp.float32))
+            y = nn.Dense(3)(x) * n.value  # the counter enters the math
+            n.value = n.value + 1.0
+            return y
+
+    m = FlaxModule(Counter(), example_args=(torch.zeros(2, 4),), residuals=residuals)
+    variables = jax.tree_util.tree_map(jnp.array, m.flax_variables())
+    for _ in range(2):
+        x = torch.randn(2, 4, requires_grad=True)
+        ct = torch.randn(2, 3)
+        (m(x) * ct).sum().backward()  # the write-back must not break the backward
+
+        def f(params, x, state=variables):
+            return Counter().apply({**state, "params": params}, x, mutable=["counter"])[0]
+
+        _, vjp = jax.vjp(f, variables["params"], _j(x))
+        torch.testing.assert_close(x.grad, _t(vjp(_j(ct))[1]))
+        variables = {**variables, "counter": {"n": variables["counter"]["n"] + 1.0}}
+        assert float(m.counter.n) == float(variables["counter"]["n"])

@@ -31,7 +31,9 @@ class Caller:
     """The compile cache and the call path shared by ``FlaxModule`` and ``jax_function``.
 
     Args:
-        make_apply: ``make_apply(context) -> (apply, has_aux)`` where ``apply(variables,
+        make_apply: ``make_apply(context) -> (apply, has_aux, aux_targets)`` where
+            ``aux_targets`` are the indices of the variable leaves that the aux outputs
+            replace after the call, and ``apply(variables,
             *args, **kwargs)`` returns outputs, or ``(outputs, aux)`` with ``has_aux``.
             ``context`` is a hashable value the owner passes per call (train mode, ...).
         where: the owner's name for error messages.
@@ -141,7 +143,7 @@ class Caller:
             LeafSpec(tuple(int(d) for d in t.shape), dt, bool(want) and is_differentiable(dt))
             for t, dt, want in zip(leaves, np_dtypes, diff, strict=True)
         ]
-        apply, has_aux = self.make_apply(context)
+        apply, has_aux, aux_targets = self.make_apply(context)
         fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
         try:
             program = Program(fn, specs, has_aux=has_aux, name=self.where)
@@ -155,4 +157,6 @@ class Caller:
                 )
                 e.add_note(f"{self.where} was called with {shapes or 'no tensors'}.")
             raise
-        return Entry(program, np_dtypes, device, self.residuals)
+        entry = Entry(program, np_dtypes, device, self.residuals)
+        entry.aux_targets = tuple(aux_targets)
+        return entry

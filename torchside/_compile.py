@@ -65,7 +65,6 @@ class _Spec:
                 len(leaves) - self.n_args, self.treedef, self.static_key, self.training,
             )
             entry.compile_id = next(_ids)
-            entry.aux_targets = module._adapter.mutable_index(self.training)
             with _lock:
                 self.entries[key] = entry
                 _ENTRIES[entry.compile_id] = entry
@@ -94,7 +93,7 @@ def layout(sid: int) -> tuple:
     entry = _SPECS[sid].last
     treedef = entry.program.out_treedef
     n_aux = entry.n_results - entry.n_out
-    return entry.n_out, n_aux, _recipe(treedef), tuple(entry.aux_targets or ())
+    return entry.n_out, n_aux, _recipe(treedef), entry.aux_targets
 
 
 def _recipe(treedef):

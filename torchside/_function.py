@@ -39,7 +39,7 @@ class Entry:
         self.cot_dtypes = tuple(program.out_specs[k].dtype for k in program.diff_out_index)
         self.grad_slots = tuple(1 + i for i in program.diff_index)  # +1: the Entry argument
         self.traced = False
-        self.aux_targets = None  # filled by the owner that knows what aux leaves update
+        self.aux_targets = ()  # variable leaves the aux outputs replace (set by the Caller)
 
     def finish_trace(self) -> None:
         """Record what the first residual trace fixed (dtypes of what the backward gets)."""
@@ -94,7 +94,11 @@ class BridgeFunction(torch.autograd.Function):
         outs, res = output[: entry.n_results], output[entry.n_results :]
         ctx.mark_non_differentiable(*(outs[k] for k in entry.nondiff_out), *res)
         if entry.recompute:
-            ctx.save_for_backward(*leaves)
+            # State the owner writes back in place after this forward (batch statistics,
+            # counters) is saved as it was, so the recompute sees the forward's values.
+            targets = set(entry.aux_targets)
+            ctx.save_for_backward(*(t.clone() if i in targets else t
+                                    for i, t in enumerate(leaves)))
         else:
             ctx.save_for_backward(
                 *(leaves[j] for j in program.saved_input_index),

@@ -21,7 +21,7 @@ class JaxFunction:
         name = getattr(fn, "__name__", type(fn).__name__)
 
         def make_apply(_context):
-            return (lambda _state, *args, **kwargs: (fn(*args, **kwargs), [])), True
+            return (lambda _state, *args, **kwargs: (fn(*args, **kwargs), [])), True, ()
 
         self._caller = Caller(make_apply, where=f"jax_function({name})", residuals=residuals,
                               cache_size=cache_size)

@@ -136,7 +136,8 @@ class FlaxModule(torch.nn.Module):
 
     # -- the call -----------------------------------------------------------------------
     def _make_apply(self, training: bool):
-        return self._adapter.make_apply(training), True  # (outputs, updates)
+        # apply returns (outputs, updates); updates replace these variable leaves
+        return self._adapter.make_apply(training), True, self._adapter.mutable_index(training)
 
     def _call_variables(self) -> list[torch.Tensor]:
         variables = current_tensors(self._refs)
@@ -164,8 +165,6 @@ class FlaxModule(torch.nn.Module):
             context=self.training,
         )
         if updates:
-            if entry.aux_targets is None:
-                entry.aux_targets = self._adapter.mutable_index(self.training)
             with torch.no_grad():
                 for i, new in zip(entry.aux_targets, updates, strict=True):
                     variables[i].copy_(new)
