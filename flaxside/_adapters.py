@@ -40,6 +40,20 @@ def key_data_shape() -> tuple[int, ...]:
     return tuple(jax.random.key_data(jax.random.key(0)).shape)
 
 
+def _snapshot(leaves: list, index) -> list:
+    """Copies the leaves at ``index`` inside the traced program.
+
+    The torch side writes updated state back into its buffers in place after the forward.
+    A state leaf the backward needs (a counter or broadcast variable that enters the math)
+    would otherwise be saved for the backward as that very buffer: the write-back then
+    trips torch's version check, or in a recompute reads the new value. Used through a copy,
+    the residual map sees the copy, not the input, and the forward returns it as a
+    residual of its own; copies that the backward does not need are dead code.
+    """
+    index = set(index)
+    return [jnp.array(x, copy=True) if i in index else x for i, x in enumerate(leaves)]
+
+
 def wrap_keys(raw, streams: tuple[str, ...]) -> dict:
     """``{stream: key}`` from raw key data of shape ``(len(streams), *key_data_shape())``."""
     keys = jax.random.wrap_key_data(jax.lax.bitcast_convert_type(raw, jnp.uint32))
@@ -87,12 +101,14 @@ class LinenAdapter:
             rngs = wrap_keys(raw, streams) if streams else None
             if not mutable:
                 return module.apply(variables, *args, rngs=rngs, **kwargs), []
+            leaves, treedef = jtu.tree_flatten(variables)
+            old = _snapshot(leaves, index)
+            variables = jtu.tree_unflatten(treedef, old)
             out, new = module.apply(variables, *args, rngs=rngs, mutable=list(mutable), **kwargs)
             by_name = {
                 ".".join(_key_name(k) for k in path): leaf
                 for path, leaf in jtu.tree_flatten_with_path(dict(new))[0]
             }
-            old = jtu.tree_leaves(variables)
             return out, [by_name.get(n, old[i]) for n, i in zip(names, index, strict=True)]
 
         return apply
@@ -157,6 +173,8 @@ class NNXAdapter:
         def apply(state, *args, **kwargs):
             (params, rest), raw = state
             r_leaves, r_def = jtu.tree_flatten(rest)
+            if write_back:  # see _snapshot: every non-Param leaf is written back
+                r_leaves = _snapshot(r_leaves, range(len(r_leaves)))
             r_leaves = [jax.random.wrap_key_data(x) if i in key_index else x
                         for i, x in enumerate(r_leaves)]
             if streams:
