@@ -45,10 +45,11 @@ def _snapshot(leaves: list, index) -> list:
 
     The torch side writes updated state back into its buffers in place after the forward.
     A state leaf the backward needs (a counter or broadcast variable that enters the math)
-    would otherwise be saved for the backward as that very buffer: the write-back then
-    trips torch's version check, or in a recompute reads the new value. Used through a copy,
-    the residual map sees the copy, not the input, and the forward returns it as a
-    residual of its own; copies that the backward does not need are dead code.
+    would otherwise be saved for the backward as that very buffer, and the write-back then
+    trips torch's version check. Used through a copy, the residual map sees the copy, not
+    the input, and the forward returns it as a residual of its own; copies that the
+    backward does not need are dead code. (``residuals="recompute"`` saves the inputs
+    themselves; the torch side saves clones of the written-back leaves for that mode.)
     """
     index = set(index)
     return [jnp.array(x, copy=True) if i in index else x for i, x in enumerate(leaves)]
