@@ -144,7 +144,8 @@ def stack_mapping(
     out: dict[str, object] = {}
     for i in range(math.prod(lengths)):
         index = tuple(int(j) for j in np.unravel_index(i, lengths))
-        out.update(nest_mapping(mapping, f"{torch_prefix}.{i}", flax_prefix, index))
+        block = f"{torch_prefix}.{i}" if torch_prefix else str(i)
+        out.update(nest_mapping(mapping, block, flax_prefix, index))
     return out
 
 

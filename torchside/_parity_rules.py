@@ -204,6 +204,10 @@ MODULE_RULES: tuple[tuple[type, ModuleRule], ...] = (
 )
 if hasattr(torch.nn, "RMSNorm"):
     MODULE_RULES += ((torch.nn.RMSNorm, _norm),)
+_DISPLAY = {
+    torch.nn.modules.conv._ConvNd: "Conv1d/2d/3d",
+    torch.nn.modules.batchnorm._BatchNorm: "BatchNorm1d/2d/3d",
+}
 
 
 def _module_rule(module: torch.nn.Module, key: str) -> ModuleRule:
@@ -215,7 +219,7 @@ def _module_rule(module: torch.nn.Module, key: str) -> ModuleRule:
     for cls, rule in MODULE_RULES:
         if isinstance(module, cls):
             return rule
-    names = ", ".join(c.__name__ for c, _ in MODULE_RULES)
+    names = ", ".join(_DISPLAY.get(c, c.__name__) for c, _ in MODULE_RULES)
     raise ValueError(
         f"copy_weights: torch {key!r} is a {type(module).__name__}, which has no built-in "
         f"rule (rules exist for {names}). Map its submodules or its tensors one by one, "

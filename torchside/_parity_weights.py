@@ -155,6 +155,7 @@ class GradientMap:
     def __init__(self, ours: torch.nn.Module, reference: torch.nn.Module, mapping: Mapping):
         self.leaves = flax_leaves(ours)
         self.rules = compile_rules(mapping, reference, self.leaves)
+        self.ref_dtypes = {n: t.dtype for n, t in torch_tensors(reference).items()}
         params = {tuple(n.split(".")) for n, p in ours.named_parameters() if p.requires_grad}
         missing = {p: n for p, n in uncovered(self.rules, self.leaves).items() if p in params}
         if missing:
@@ -166,6 +167,9 @@ class GradientMap:
 
     def pull_back(self, grads: Mapping[str, torch.Tensor | None]):
         """Gradients by ours' names, from gradients by the reference's names.
+
+        ``grads`` holds every reference parameter that requires grad, ``None`` where the
+        backward did not reach it (a zero gradient).
 
         Returns:
             ``(values, dtypes, sources)``: per parameter name of ours, the gradient in
@@ -182,9 +186,11 @@ class GradientMap:
         dtypes: dict[str, torch.dtype] = {}
         sources: dict[str, list[str]] = {}
         for rule in self.rules:
-            g = grads.get(rule.torch_name)
-            if not rule.parts or g is None:
-                continue
+            if not rule.parts or rule.torch_name not in grads:
+                continue  # torch-only tensors, buffers
+            g = grads[rule.torch_name]
+            if g is None:  # a parameter the reference's graph never reached
+                g = torch.zeros(rule.shape, dtype=self.ref_dtypes[rule.torch_name])
             outs.append(rule.build(probes, dtype=g.dtype))
             cots.append(g)
             for part in rule.parts:
