@@ -232,6 +232,12 @@ def test_bad_layout_is_refused():
         FlaxSource("kernel", layout="transpose")
 
 
+def test_a_tensor_filled_twice_is_refused(dense_pair):
+    variables, linear = dense_pair
+    with pytest.raises(ValueError, match="'weight' is filled twice"):
+        copy_weights(variables, linear, {"": "", "weight": FlaxSource("kernel", layout="linear")})
+
+
 def test_nothing_is_written_when_an_entry_fails(dense_pair):
     variables, linear = dense_pair
     before = {k: v.clone() for k, v in linear.state_dict().items()}
@@ -456,6 +462,28 @@ def test_numerically_zero_reference_is_left_out_of_the_relative_error():
     bias = next(r for r in report.rows if r.name == "grad of lin.bias")
     assert bias.ref_max <= bias.atol
     assert report.max_rel_error == max(r.norm_rel for r in report.rows if r is not bias)
+
+
+def test_integer_outputs_must_be_equal():
+    class WithArgmax(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y, y.argmax(-1)
+
+    torch.manual_seed(0)
+    ours = WithArgmax()
+    reference = copy.deepcopy(ours)
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    report = assert_matches(ours, reference, x)
+    assert report.rows[1].name == "output[1]" and report.rows[1].atol == 0.0
+    assert len(set(ours(x)[1].tolist())) > 1
+    with torch.no_grad():
+        reference.lin.bias[0] += 100.0  # every argmax moves to 0
+    assert "output[1]" in {r.name for r in compare(ours, reference, x).failures}
 
 
 def test_nan_is_a_mismatch():

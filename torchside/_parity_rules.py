@@ -242,9 +242,18 @@ def compile_rules(mapping: Mapping, torch_module: torch.nn.Module, leaves: Mappi
     tensors = torch_tensors(torch_module)
     modules = dict(torch_module.named_modules())
     flat: dict[str, object] = {}
+
+    def put(name: str, value, entry: str) -> None:
+        if name in flat:
+            raise ValueError(
+                f"copy_weights: torch {name!r} is filled twice (again by mapping entry "
+                f"{entry!r}); map it once, through its submodule or on its own."
+            )
+        flat[name] = value
+
     for key, value in mapping.items():
         if key in tensors:
-            flat[key] = value
+            put(key, value, key)
             continue
         if key not in modules:
             close = difflib.get_close_matches(key, list(tensors) + list(modules), n=3)
@@ -261,7 +270,7 @@ def compile_rules(mapping: Mapping, torch_module: torch.nn.Module, leaves: Mappi
                 f"follow from its type; set 'layout' only on tensor entries."
             )
         for name, src in _module_rule(module, key)(module, srcs).items():
-            flat[f"{key}.{name}" if key else name] = src
+            put(f"{key}.{name}" if key else name, src, key)
     rules = []
     for key, value in flat.items():
         shape = tuple(tensors[key].shape)

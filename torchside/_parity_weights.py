@@ -116,7 +116,7 @@ def copy_weights(flax_variables, torch_module: torch.nn.Module, mapping: Mapping
         >>> variables = nn.Dense(3).init(jax.random.key(0), jax.numpy.ones((1, 4)))
         >>> linear = torch.nn.Linear(4, 3)
         >>> copy_weights(variables, linear, {"": ""})  # the Linear <- the root Dense scope
-        >>> kernel = torch.from_numpy(np.asarray(variables["params"]["kernel"]))
+        >>> kernel = torch.from_numpy(np.array(variables["params"]["kernel"]))
         >>> torch.equal(linear.weight, kernel.T)
         True
     """
