@@ -4,6 +4,7 @@ from flaxside._adapters import INVERTED_TRAIN_KWARGS as INVERTED_TRAIN_KWARGS
 from flaxside._adapters import LinenAdapter as LinenAdapter
 from flaxside._adapters import NNXAdapter as NNXAdapter
 from flaxside._adapters import adapter_for as adapter_for
+from flaxside._adapters import init_linen as init_linen
 from flaxside._adapters import key_data_shape as key_data_shape
 from flaxside._adapters import wrap_keys as wrap_keys
 from flaxside._depends import depends_on as depends_on

@@ -1,5 +1,6 @@
-"""torch side: the autograd.Function, FlaxModule and jax_function. Uses bridge and flaxside."""
+"""torch side: the autograd.Function, FlaxModule, jax_function and parity helpers."""
 
+from torchside import parity as parity
 from torchside._function import BridgeFunction as BridgeFunction
 from torchside._jax_function import JaxFunction as JaxFunction
 from torchside._jax_function import jax_function as jax_function

@@ -6,7 +6,7 @@ import jax
 import torch
 
 import bridge
-from flaxside import adapter_for, key_data_shape
+from flaxside import adapter_for, init_linen, key_data_shape
 from torchside._caller import Caller
 from torchside._compile import compiled_call, register_module
 from torchside._variables import attach_variables, current_tensors
@@ -90,11 +90,8 @@ class FlaxModule(torch.nn.Module):
         if variables is None and hasattr(module, "init") and not _is_nnx(module):
             init_rngs = {"params": jax.random.key(seed)}
             init_rngs.update({name: jax.random.key(seed + 1 + i) for i, name in enumerate(rngs)})
-            variables = module.init(
-                init_rngs,
-                *bridge.tree_to_jax(tuple(example_args)),
-                **bridge.tree_to_jax(dict(example_kwargs or {})),
-            )
+            variables = init_linen(module, init_rngs, bridge.tree_to_jax(tuple(example_args)),
+                                   bridge.tree_to_jax(dict(example_kwargs or {})))
         self.flax_module = module
         self._adapter = adapter_for(module, variables, rng_streams=rngs, train_kwarg=train_kwarg)
         self._refs, self._var_names = attach_variables(self, self._adapter.leaves)
