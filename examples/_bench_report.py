@@ -202,6 +202,15 @@ def print_targets(results: dict) -> None:
                     _verdict(held[kind] <= held["torch ckpt_seq"]),
                 ]
             )
+        worst = max(r["mismatch"] for r in sweep)
+        rows.append(
+            [
+                "sweep: every stack computes the same function",
+                "max |out - torch| / max |out|",
+                f"{worst:.1e}",
+                _verdict(worst <= 1e-4),
+            ]
+        )
         for kind in first["compile"]:
             a, b = first["compile"][kind], last["compile"][kind]
             rows.append(

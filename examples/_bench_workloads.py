@@ -182,7 +182,8 @@ class Workload:
         rng = np.random.default_rng(0)
         self.x = rng.standard_normal((self.batch, self.width), dtype=np.float32)
         self.cotangent = rng.standard_normal((self.batch, self.width), dtype=np.float32)
-        self.variables = self.module.init(jax.random.key(0), jnp.asarray(self.x))
+        if self.variables is None:
+            self.variables = jax.jit(self.module.init)(jax.random.key(0), jnp.asarray(self.x))
 
     @property
     def n_leaves(self) -> int:
@@ -208,6 +209,16 @@ def stack(kind: str, width: int, depth: int) -> nn.Module:
     if kind == "unrolled":
         return Unrolled(width, depth)
     raise ValueError(f"stack: unknown kind {kind!r}; expected one of {FLAX_VARIANTS}.")
+
+
+def restack(variables, module: nn.Module):
+    """``Scan`` variables (leading axis ``depth``) reshaped to ``module``'s scan lengths.
+
+    ``Scan`` and ``RematScan`` name their parameters alike (``params.stack.*``) and differ
+    only in the leading axes, so one initialisation serves every variant of a depth.
+    """
+    lead = tuple(getattr(module, "lengths", None) or (module.depth,))
+    return jax.tree_util.tree_map(lambda a: a.reshape(*lead, *a.shape[1:]), variables)
 
 
 FLAX_VARIANTS = ("scan", "scan(remat)", "remat_scan x2", "remat_scan x3")

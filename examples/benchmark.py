@@ -20,7 +20,9 @@ What this shows:
 How to run:
     pip install -e '.[examples]'
     python examples/benchmark.py               # full run, several minutes on 2 CPU cores
-    python examples/benchmark.py --quick       # reduced run, under a minute
+    python examples/benchmark.py --quick       # reduced sizes, about a minute on an idle
+                                               # 2-core machine (MEDIUM width 256, LEAVES 32
+                                               # blocks, depths 16 and 1024, fewer repeats)
     python examples/benchmark.py --out plots   # where the PNGs and results.json go
 """
 
@@ -87,6 +89,7 @@ from _bench_workloads import (  # noqa: E402
     TinyMLP,
     Unrolled,
     Workload,
+    restack,
     scan_lengths,
     stack,
     torch_twin,
@@ -108,14 +111,14 @@ SIZES = {
         sync_row=True,
     ),
     "quick": dict(
-        medium_width=512,
+        medium_width=256,
         deep=(128, 128, 64),
-        leaves=64,
+        leaves=32,
         depths=(16, 1024),
-        budget=0.5,
+        budget=0.4,
         min_repeats=3,
         warmup=1,
-        sweep_repeats=2,
+        sweep_repeats=1,
         sync_row=False,
     ),
     "smoke": dict(
@@ -198,24 +201,31 @@ def sweep(depths, size: dict, width: int = 64, batch: int = 32) -> list[dict]:
         start = time.perf_counter()
         row = {"depth": depth, "held": {}, "time": {}, "compile": {}, "lengths": {}}
         contestants = []
+        base = None
         for kind in FLAX_VARIANTS:
-            w = Workload(kind, stack(kind, width, depth), batch=batch, width=width, depth=depth)
+            module = stack(kind, width, depth)
+            variables = None if base is None else restack(base.variables, module)
+            w = Workload(kind, module, batch=batch, width=width, depth=depth, variables=variables)
+            base = base or w
             b = Bridge(w)
             b.name = kind
             _, row["compile"][kind] = b.first_call()
             row["held"][kind] = b.held()
             row["lengths"][kind] = getattr(w.module, "lengths", None)
             contestants.append(b)
-            if kind == "scan":
-                params = w.variables["params"]
-                module = w.module
+        layers = torch_twin(base.module, base.variables["params"])
         for mode in TorchEager.MODES:
-            t = TorchEager(w, torch_twin(module, params), mode)
+            t = TorchEager(base, layers, mode)
             row["held"][t.name] = t.held()
             contestants.append(t)
         # No warm-up: the first call (Flax) and held() (torch) already ran each once.
         row["time"], _ = race(
             contestants, budget=size["budget"], min_repeats=size["sweep_repeats"], warmup=0
+        )
+        reference = contestants[-1].output()  # torch, checkpointed: same values as plain
+        scale = float(np.abs(reference).max())
+        row["mismatch"] = max(
+            float(np.abs(c.output() - reference).max()) / scale for c in contestants
         )
         rows.append(row)
         print(f"    depth {depth}: {time.perf_counter() - start:.0f} s", flush=True)
