@@ -1,0 +1,206 @@
+"""How the benchmark measures: timed calls, held bytes, compile seconds, one contestant each.
+
+A "call" is one forward and one backward with a fixed random cotangent, gradients reaching
+every parameter and the input. Times are medians over repeated calls after warm-up calls;
+gradients are dropped between calls (``set_to_none``) outside the timed region.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from torchside import FlaxModule
+
+# JAX reports how long each trace, lowering and backend compile took; their sum over a first
+# call is its compile time, free of the time the call then spends computing.
+_COMPILE_EVENTS = frozenset(
+    (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    )
+)
+_compile_seconds = [0.0]
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_seconds[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def race(contestants, *, budget: float, min_repeats: int, warmup: int = 1):
+    """Median seconds per call of each contestant, measured in interleaved rounds.
+
+    Round-robin (one call of each contestant per round) so that load from other processes
+    on a shared machine hits every contestant alike. The number of rounds fills ``budget``
+    seconds, at least ``min_repeats``.
+
+    Returns:
+        ``({name: median seconds}, rounds)``.
+    """
+    one = {}
+    for c in contestants:
+        for _ in range(warmup):
+            c.call()
+            c.reset()
+        start = time.perf_counter()
+        c.call()
+        one[c.name] = time.perf_counter() - start
+        c.reset()
+    rounds = max(min_repeats, min(1000, int(budget / max(sum(one.values()), 1e-6))))
+    times = {c.name: [] for c in contestants}
+    for _ in range(rounds):
+        for c in contestants:
+            start = time.perf_counter()
+            c.call()
+            times[c.name].append(time.perf_counter() - start)
+            c.reset()
+    return {name: statistics.median(t) for name, t in times.items()}, rounds
+
+
+def held_bytes(call: Callable, exclude: list[torch.Tensor]) -> int:
+    """Bytes autograd keeps for backward during ``call()``, beyond the ``exclude`` storages.
+
+    Every tensor autograd saves passes through ``saved_tensors_hooks`` (including inputs
+    saved by non-reentrant ``torch.utils.checkpoint``). Storages of parameters and of the
+    input are memory the model holds anyway, so they are excluded; each other storage is
+    counted once, whole.
+    """
+    known = {t.untyped_storage().data_ptr() for t in exclude}
+    held = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in known:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return sum(held.values())
+
+
+class Contestant:
+    """One way of running a workload: ``call()`` does forward+backward, ``reset()`` clears."""
+
+    name: str
+    params: list[torch.Tensor] = []
+
+    def call(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        for t in self.params:
+            t.grad = None
+
+    def output(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def held(self) -> int | None:
+        return held_bytes(self.call_and_keep, [*self.params]) if self.params else None
+
+    def call_and_keep(self) -> None:
+        self.call()
+        self.reset()
+
+    def first_call(self) -> tuple[float, float]:
+        """Wall seconds of the very first call, and the JAX compile seconds within it."""
+        compiled = _compile_seconds[0]
+        start = time.perf_counter()
+        self.call()
+        elapsed = time.perf_counter() - start
+        self.reset()
+        return elapsed, _compile_seconds[0] - compiled
+
+
+class Bridge(Contestant):
+    """torch -> ``FlaxModule`` -> torch, backward through torch autograd."""
+
+    def __init__(self, workload):
+        self.name = "bridge"
+        self.module = FlaxModule(workload.module, variables=workload.variables)
+        self.x = torch.from_numpy(workload.x.copy()).requires_grad_()
+        self.cotangent = torch.from_numpy(workload.cotangent.copy())
+        self.params = [*self.module.parameters(), self.x]
+
+    def call(self) -> None:
+        y = self.module(self.x)
+        y.backward(self.cotangent)
+        self.last = y.detach()
+
+    def output(self) -> np.ndarray:
+        """The output of the last call."""
+        return self.last.numpy()
+
+
+class PureJax(Contestant):
+    """``jit(value_and_grad)`` of the same function: the limit a bridge can approach."""
+
+    def __init__(self, workload):
+        self.name = "pure JAX"
+        apply = workload.module.apply
+
+        def loss(variables, x, cotangent):
+            return jnp.vdot(apply(variables, x), cotangent)
+
+        self.step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        self.forward = jax.jit(apply)
+        self.args = jax.device_put((workload.variables, workload.x, workload.cotangent))
+
+    def call(self) -> None:
+        jax.block_until_ready(self.step(*self.args))
+
+    def output(self) -> np.ndarray:
+        return np.asarray(self.forward(*self.args[:2]))
+
+    def held(self) -> None:
+        return None
+
+
+class TorchEager(Contestant):
+    """The torch twin, eager; ``mode`` is ``"none"``, ``"per-layer"`` or ``"sequential"``."""
+
+    MODES = ("none", "per-layer", "sequential")
+
+    def __init__(self, workload, layers: list[torch.nn.Module], mode: str = "none"):
+        if mode not in self.MODES:
+            raise ValueError(f"TorchEager: mode {mode!r} is not one of {self.MODES}.")
+        self.name = {"none": "torch", "per-layer": "torch ckpt", "sequential": "torch ckpt_seq"}[
+            mode
+        ]
+        self.mode = mode
+        self.layers = torch.nn.Sequential(*layers)
+        self.x = torch.from_numpy(workload.x.copy()).requires_grad_()
+        self.cotangent = torch.from_numpy(workload.cotangent.copy())
+        self.params = [*self.layers.parameters(), self.x]
+        # sqrt(depth) segments: the classic memory-optimal split (Chen et al. 2016).
+        self.segments = max(1, round(len(layers) ** 0.5))
+
+    def forward(self, x):
+        if self.mode == "none":
+            return self.layers(x)
+        if self.mode == "sequential":
+            return checkpoint_sequential(self.layers, self.segments, x, use_reentrant=False)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x
+
+    def call(self) -> None:
+        y = self.forward(self.x)
+        y.backward(self.cotangent)
+        self.last = y.detach()
+
+    def output(self) -> np.ndarray:
+        """The output of the last call."""
+        return self.last.numpy()

@@ -1,0 +1,226 @@
+"""The benchmark's printed tables, its PASS/MISS targets, and its plots."""
+
+from __future__ import annotations
+
+import os
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(
+        h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True))
+    )
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        cells = enumerate(zip(r, widths, strict=True))
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in cells))
+    print()
+
+
+def print_workloads(results: list[dict]) -> None:
+    if not results:
+        return
+    print("Forward+backward per call (median), bytes held for backward, agreement with pure JAX")
+    header = [
+        "workload",
+        "leaves",
+        "bridge",
+        "pure JAX",
+        "torch",
+        "torch ckpt",
+        "bridge/JAX",
+        "bridge/torch",
+        "held bridge",
+        "held torch",
+        "held ckpt",
+        "max rel diff",
+        "calls",
+    ]
+    rows = []
+    for r in results:
+        t, h = r["times"], r["held"]
+        rows.append(
+            [
+                r["name"],
+                str(r["leaves"]),
+                fmt_time(t["bridge"]),
+                fmt_time(t["pure JAX"]),
+                fmt_time(t["torch"]),
+                fmt_time(t["torch ckpt"]),
+                f"{t['bridge'] / t['pure JAX']:.2f}x",
+                f"{t['bridge'] / t['torch']:.2f}x",
+                fmt_bytes(h["bridge"]),
+                fmt_bytes(h["torch"]),
+                fmt_bytes(h["torch ckpt"]),
+                f"{max(r['mismatch'].values()):.1e}",
+                str(r["rounds"]),
+            ]
+        )
+    _table(header, rows)
+    print("First call, wall (of which JAX trace+lower+compile):")
+    for r in results:
+        f, c = r["first_call"], r["compile"]
+        print(
+            f"  {r['name']:10s} bridge {fmt_time(f['bridge'])} ({fmt_time(c['bridge'])}), "
+            f"pure JAX {fmt_time(f['pure JAX'])} ({fmt_time(c['pure JAX'])}), "
+            f"torch {fmt_time(f['torch'])}"
+        )
+    print()
+
+
+def _sweep_names(rows: list[dict], key: str) -> list[str]:
+    return list(rows[0][key])
+
+
+def print_sweep(rows: list[dict]) -> None:
+    for key, title, fmt in (
+        ("held", "Bytes held for backward (beyond parameters and input)", fmt_bytes),
+        ("time", "Forward+backward per call (median)", fmt_time),
+        ("compile", "Compile seconds (JAX trace+lower+compile in the first call)", fmt_time),
+    ):
+        names = _sweep_names(rows, key)
+        print(f"{title}, by depth (width 64, batch 32)")
+        _table(
+            ["depth", *names], [[str(r["depth"]), *(fmt(r[key][n]) for n in names)] for r in rows]
+        )
+    lengths = {k: v for k, v in rows[-1]["lengths"].items() if v}
+    print(
+        "remat_scan lengths at depth "
+        + f"{rows[-1]['depth']}: "
+        + ", ".join(f"{k} {tuple(v)}" for k, v in lengths.items())
+    )
+    print()
+
+
+def plot_sweep(rows: list[dict], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = [r["depth"] for r in rows]
+    paths = []
+    for key, ylabel, fname in (
+        ("held", "bytes held for backward", "held_bytes_vs_depth.png"),
+        ("time", "seconds per forward+backward", "time_vs_depth.png"),
+        ("compile", "compile seconds", "compile_vs_depth.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in _sweep_names(rows, key):
+            values = [r[key][name] for r in rows]
+            style = "--" if name.startswith("torch") else "-"
+            ax.plot(depths, [max(v, 1e-9) for v in values], style, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("depth (residual MLP blocks, width 64, batch 32)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def print_targets(results: dict) -> None:
+    rows = []
+    by_name = {r["name"]: r for r in results["workloads"]}
+    for name, other, label in (
+        ("TINY", "torch", "TINY bridge <= torch eager"),
+        ("TINY sync", "torch", "TINY bridge <= torch eager (JAX CPU dispatch sync)"),
+        ("MEDIUM", "pure JAX", "MEDIUM bridge <= pure JAX jit(value_and_grad)"),
+        ("DEEP", "pure JAX", "DEEP bridge <= pure JAX jit(value_and_grad)"),
+        ("LEAVES", "pure JAX", "LEAVES bridge <= pure JAX jit(value_and_grad)"),
+    ):
+        if name in by_name:
+            t = by_name[name]["times"]
+            ratio = t["bridge"] / t[other]
+            rows.append(
+                [
+                    label,
+                    f"{fmt_time(t['bridge'])} vs {fmt_time(t[other])}",
+                    f"{ratio:.2f}x",
+                    _verdict(ratio <= 1.0),
+                ]
+            )
+    for r in results["workloads"]:
+        worst = max(r["mismatch"].values())
+        rows.append(
+            [
+                f"{r['name']}: all contestants compute the same function",
+                "max |out - pure JAX| / max |out|",
+                f"{worst:.1e}",
+                _verdict(worst <= 1e-4),
+            ]
+        )
+    sweep = results["sweep"]
+    if sweep:
+        first, last = sweep[0], sweep[-1]
+        d = last["depth"]
+        held = last["held"]
+        for kind in ("remat_scan x2", "remat_scan x3"):
+            ratio = held[kind] / held["torch ckpt"]
+            rows.append(
+                [
+                    f"held @{d}: {kind} <= torch ckpt / 20",
+                    f"{fmt_bytes(held[kind])} vs {fmt_bytes(held['torch ckpt'])}",
+                    f"1/{1 / max(ratio, 1e-12):.0f}",
+                    _verdict(ratio <= 1 / 20),
+                ]
+            )
+            rows.append(
+                [
+                    f"held @{d}: {kind} <= checkpoint_sequential",
+                    f"{fmt_bytes(held[kind])} vs {fmt_bytes(held['torch ckpt_seq'])}",
+                    f"{held[kind] / held['torch ckpt_seq']:.2f}x",
+                    _verdict(held[kind] <= held["torch ckpt_seq"]),
+                ]
+            )
+        worst = max(r["mismatch"] for r in sweep)
+        rows.append(
+            [
+                "sweep: every stack computes the same function",
+                "max |out - torch| / max |out|",
+                f"{worst:.1e}",
+                _verdict(worst <= 1e-4),
+            ]
+        )
+        for kind in first["compile"]:
+            a, b = first["compile"][kind], last["compile"][kind]
+            rows.append(
+                [
+                    f"compile @{d} <= 2x @{first['depth']}: {kind}",
+                    f"{fmt_time(b)} vs {fmt_time(a)}",
+                    f"{b / max(a, 1e-9):.2f}x",
+                    _verdict(b <= 2 * a),
+                ]
+            )
+    if rows:
+        print("Targets (printed, never asserted: timings on a shared machine are noisy)")
+        _table(["target", "measured", "ratio", "verdict"], rows)

@@ -1,0 +1,306 @@
+"""How close is FlaxModule to pure JAX, and how does it compare with native torch?
+
+What this shows:
+    One run measures, side by side on the same inputs and weights (medians over repeated
+    forward+backward calls after warm-up, contestants interleaved so machine noise hits
+    them alike):
+
+    * workloads TINY (2-layer MLP, width 64, batch 8: the fixed cost of one call), MEDIUM
+      (16 unrolled residual MLP blocks, width 512, batch 128), DEEP (128 blocks under a
+      2-level remat-scan) and LEAVES (128 unrolled blocks: 768 parameter leaves), each run
+      through ``FlaxModule``, as pure JAX ``jit(value_and_grad)`` (the limit), and as the
+      torch twin eager, with and without per-layer ``torch.utils.checkpoint``;
+    * for depths 16 ... 1024: bytes held for backward, time per call and compile seconds of
+      ``nn.scan``, ``nn.scan(nn.remat)``, and ``nn.remat_scan`` with 2 and 3 levels, against
+      the torch twin with no checkpoint, per-layer checkpoint and ``checkpoint_sequential``.
+
+    It prints a table of ratios with PASS/MISS against the project's targets and writes
+    three PNG plots (held bytes, time and compile seconds against depth).
+
+How to run:
+    pip install -e '.[examples]'
+    python examples/benchmark.py               # full run, several minutes on 2 CPU cores
+    python examples/benchmark.py --quick       # reduced sizes, about a minute on an idle
+                                               # 2-core machine (MEDIUM width 256, LEAVES 32
+                                               # blocks, depths 16 and 1024, fewer repeats)
+    python examples/benchmark.py --out plots   # where the PNGs and results.json go
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before torch is imported: torch's OpenMP threads otherwise spin after each parallel
+# region and steal the cores XLA's threads need (both runtimes share the CPU here).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="reduced run, under a minute")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, to check the script runs (for tests)"
+    )
+    parser.add_argument("--out", default="benchmark_out", help="folder for plots and json")
+    parser.add_argument(
+        "--only",
+        default="tiny,medium,deep,leaves,sweep",
+        help="comma-separated parts to run: tiny, medium, deep, leaves, sweep",
+    )
+    parser.add_argument(
+        "--cpu-dispatch",
+        choices=("async", "sync"),
+        default="async",
+        help="JAX's CPU dispatch (jax_cpu_enable_async_dispatch); async is JAX's default",
+    )
+    parser.add_argument(
+        "--no-sync-row",
+        action="store_true",
+        help="skip the extra TINY row measured in a child process with sync CPU dispatch",
+    )
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # child -> parent
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.cpu_dispatch == "sync":
+    import jax
+
+    # Must precede the first use of the CPU backend: the client is created with it.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_measure import Bridge, PureJax, TorchEager, race  # noqa: E402
+from _bench_report import plot_sweep, print_sweep, print_targets, print_workloads  # noqa: E402
+from _bench_workloads import (  # noqa: E402
+    FLAX_VARIANTS,
+    RematScan,
+    TinyMLP,
+    Unrolled,
+    Workload,
+    restack,
+    scan_lengths,
+    stack,
+    torch_twin,
+)
+
+SIZES = {
+    # medium_width; deep = (depth, width, batch); leaves = depth of the unrolled stack;
+    # depths of the sweep; budget = seconds of timed calls per workload (rounds fill it);
+    # sync_row = also measure TINY with synchronous JAX CPU dispatch (child process).
+    "full": dict(
+        medium_width=512,
+        deep=(128, 128, 64),
+        leaves=128,
+        depths=(16, 64, 256, 1024),
+        budget=4.0,
+        min_repeats=7,
+        warmup=2,
+        sweep_repeats=5,
+        sync_row=True,
+    ),
+    "quick": dict(
+        medium_width=256,
+        deep=(128, 128, 64),
+        leaves=32,
+        depths=(16, 1024),
+        budget=0.4,
+        min_repeats=3,
+        warmup=1,
+        sweep_repeats=1,
+        sync_row=False,
+    ),
+    "smoke": dict(
+        medium_width=32,
+        deep=(8, 16, 4),
+        leaves=4,
+        depths=(4, 16),
+        budget=0.05,
+        min_repeats=2,
+        warmup=1,
+        sweep_repeats=1,
+        sync_row=True,
+    ),
+}
+
+
+def run_workload(workload: Workload, size: dict) -> dict:
+    layers = torch_twin(workload.module, workload.variables["params"])
+    bridge = Bridge(workload)
+    contestants = [
+        bridge,
+        PureJax(workload),
+        TorchEager(workload, layers, "none"),
+        TorchEager(workload, layers, "per-layer"),
+    ]
+    first, compile_s = {}, {}
+    for c in contestants:
+        first[c.name], compile_s[c.name] = c.first_call()
+    reference = contestants[1].output()
+    scale = float(np.abs(reference).max())
+    mismatch = {c.name: float(np.abs(c.output() - reference).max()) / scale for c in contestants}
+    times, rounds = race(
+        contestants, budget=size["budget"], min_repeats=size["min_repeats"], warmup=size["warmup"]
+    )
+    held = {c.name: c.held() for c in contestants}
+    return dict(
+        name=workload.name,
+        describe=workload.describe(),
+        leaves=workload.n_leaves,
+        times=times,
+        rounds=rounds,
+        held=held,
+        first_call=first,
+        compile=compile_s,
+        mismatch=mismatch,
+    )
+
+
+def workloads(parts: list[str], size: dict) -> list[Workload]:
+    deep_depth, deep_width, deep_batch = size["deep"]
+    out = []
+    if "tiny" in parts:
+        out.append(Workload("TINY", TinyMLP(64), batch=8, width=64, depth=2))
+    if "medium" in parts:
+        w = size["medium_width"]
+        out.append(Workload("MEDIUM", Unrolled(w, 16), batch=128, width=w, depth=16))
+    if "deep" in parts:
+        lengths = scan_lengths(deep_depth, 2)
+        out.append(
+            Workload(
+                "DEEP",
+                RematScan(deep_width, lengths),
+                batch=deep_batch,
+                width=deep_width,
+                depth=deep_depth,
+            )
+        )
+    if "leaves" in parts:
+        d = size["leaves"]
+        out.append(Workload("LEAVES", Unrolled(64, d), batch=16, width=64, depth=d))
+    return out
+
+
+def sweep(depths, size: dict, width: int = 64, batch: int = 32) -> list[dict]:
+    """Held bytes, time per call and compile seconds per depth, Flax stacks and torch twins."""
+    rows = []
+    # One small compile first, so one-time start-up costs of tracing land on no depth.
+    Bridge(Workload("warm-up", stack("scan", width, 2), batch=batch, width=width, depth=2)).call()
+    for depth in depths:
+        start = time.perf_counter()
+        row = {"depth": depth, "held": {}, "time": {}, "compile": {}, "lengths": {}}
+        contestants = []
+        base = None
+        for kind in FLAX_VARIANTS:
+            module = stack(kind, width, depth)
+            variables = None if base is None else restack(base.variables, module)
+            w = Workload(kind, module, batch=batch, width=width, depth=depth, variables=variables)
+            base = base or w
+            b = Bridge(w)
+            b.name = kind
+            _, row["compile"][kind] = b.first_call()
+            row["held"][kind] = b.held()
+            row["lengths"][kind] = getattr(w.module, "lengths", None)
+            contestants.append(b)
+        layers = torch_twin(base.module, base.variables["params"])
+        for mode in TorchEager.MODES:
+            t = TorchEager(base, layers, mode)
+            row["held"][t.name] = t.held()
+            contestants.append(t)
+        # No warm-up: the first call (Flax) and held() (torch) already ran each once.
+        row["time"], _ = race(
+            contestants, budget=size["budget"], min_repeats=size["sweep_repeats"], warmup=0
+        )
+        reference = contestants[-1].output()  # torch, checkpointed: same values as plain
+        scale = float(np.abs(reference).max())
+        row["mismatch"] = max(
+            float(np.abs(c.output() - reference).max()) / scale for c in contestants
+        )
+        rows.append(row)
+        print(f"    depth {depth}: {time.perf_counter() - start:.0f} s", flush=True)
+    return rows
+
+
+def sync_tiny_row(size_name: str) -> dict | None:
+    """TINY measured again in a child process whose JAX CPU client dispatches synchronously."""
+    path = os.path.join(ARGS.out, "tiny_sync.json")
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--only",
+        "tiny",
+        "--cpu-dispatch",
+        "sync",
+        "--json",
+        path,
+        "--out",
+        ARGS.out,
+        "--no-sync-row",
+    ]
+    if size_name != "full":
+        cmd.append(f"--{size_name}")
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"(sync-dispatch TINY row failed:\n{done.stderr[-2000:]})")
+        return None
+    with open(path) as f:
+        row = json.load(f)["workloads"][0]
+    row["name"] = "TINY sync"
+    return row
+
+
+def main() -> None:
+    args = ARGS
+    size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    size = SIZES[size_name]
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    os.makedirs(args.out, exist_ok=True)
+    print(
+        f"flaxtorch benchmark ({size_name}): jax {jax.__version__}, flax {flax.__version__}, "
+        f"torch {torch.__version__}, numpy {np.__version__}; {os.cpu_count()} CPU cores, "
+        f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY')}, JAX CPU dispatch {args.cpu_dispatch}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = {"size": size_name, "workloads": [], "sweep": []}
+    for w in workloads(parts, size):
+        t0 = time.perf_counter()
+        results["workloads"].append(run_workload(w, size))
+        print(f"  {w.name}: {w.describe()}: {time.perf_counter() - t0:.0f} s", flush=True)
+    sync_row = size["sync_row"] and not args.no_sync_row and args.cpu_dispatch == "async"
+    if "tiny" in parts and sync_row:
+        row = sync_tiny_row(size_name)
+        if row is not None:
+            results["workloads"].append(row)
+    if "sweep" in parts:
+        print(f"  sweep over depths {size['depths']} (width 64, batch 32)", flush=True)
+        results["sweep"] = sweep(size["depths"], size)
+    print(f"measured in {time.perf_counter() - start:.0f} s\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, default=str)
+        return
+    print_workloads(results["workloads"])
+    if results["sweep"]:
+        print_sweep(results["sweep"])
+        for path in plot_sweep(results["sweep"], args.out):
+            print(f"wrote {path}")
+    print_targets(results)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Every script in examples/ runs, at a tiny size, in a fresh process (so they never rot)."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# Tiny-size arguments per example; ``{out}`` becomes a temporary folder. A new example must
+# be added here: test_example_runs fails for it until it is.
+TINY_ARGS = {
+    "quickstart.py": ["--steps", "5"],
+    "gpu_check.py": [],  # without a GPU it says so and exits 0
+    "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
+    "benchmark.py": ["--smoke", "--out", "{out}"],
+}
+
+
+def _scripts() -> list[str]:
+    return sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
+
+
+def _run(name: str, tmp_path) -> subprocess.CompletedProcess:
+    args = [a.format(out=tmp_path) for a in TINY_ARGS[name]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    # Warnings in an example are bugs a user would see; tqdm's bar also goes to stderr.
+    warnings = [line for line in done.stderr.splitlines() if "Warning" in line]
+    assert not warnings, f"{name} printed warnings:\n" + "\n".join(warnings)
+    return done
+
+
+def _check_train_digits(done, out) -> None:
+    assert "held-out accuracy" in done.stdout
+    held = re.search(r"([\d.]+) MiB with remat_scan .*, ([\d.]+) MiB for the same", done.stdout)
+    assert held, done.stdout
+    assert float(held.group(1)) < float(held.group(2))
+
+
+def _check_benchmark(done, out) -> None:
+    for png in ("held_bytes_vs_depth.png", "time_vs_depth.png", "compile_vs_depth.png"):
+        assert (out / png).stat().st_size > 1000, png
+    results = json.loads((out / "results.json").read_text())
+    names = {r["name"] for r in results["workloads"]}
+    assert {"TINY", "MEDIUM", "DEEP", "LEAVES", "TINY sync"} <= names
+    for r in results["workloads"]:
+        # Same weights, same inputs: the three contestants compute one function.
+        assert max(r["mismatch"].values()) < 1e-4, r["name"]
+    assert all(row["mismatch"] < 1e-4 for row in results["sweep"])
+    deepest = results["sweep"][-1]["held"]
+    assert deepest["remat_scan x2"] < deepest["torch ckpt_seq"] < deepest["torch"]
+    assert deepest["remat_scan x3"] <= deepest["remat_scan x2"] < deepest["scan"]
+    assert "Targets" in done.stdout
+
+
+CHECKS = {"train_digits.py": _check_train_digits, "benchmark.py": _check_benchmark}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _scripts())
+def test_example_runs(name, tmp_path):
+    assert name in TINY_ARGS, f"add tiny-size arguments for {name} to TINY_ARGS in this file"
+    done = _run(name, tmp_path)
+    assert done.stdout.strip(), f"{name} printed nothing"
+    if name in CHECKS:
+        CHECKS[name](done, tmp_path)
