@@ -76,6 +76,55 @@ def _distinct(results: list, inputs: Sequence) -> list:
     return out
 
 
+PACK_BYTES = 64 * 1024  # residuals this small cross the boundary packed, one buffer per dtype
+
+
+def _pack(residuals: list):
+    """Concatenates small residuals into one flat buffer per dtype, inside the program.
+
+    Every residual crosses to torch as a tensor and back (converted, saved, unpacked,
+    converted again): on a 64-block unrolled stack that was 896 tensors per call and half
+    of the call's time. Packed, the small ones cross as one buffer per dtype and are sliced
+    back inside the backward; large ones still cross alone, without a copy.
+
+    Returns:
+        ``(buffers, layout)``: the residuals as they leave the program, and per original
+        residual ``("alone", i)`` or ``("packed", i, offset, shape)`` into ``buffers``.
+    """
+    alone, groups, layout = [], {}, []
+    for r in residuals:
+        if r.size * r.dtype.itemsize > PACK_BYTES:
+            layout.append(("alone", len(alone)))
+            alone.append(r)
+        else:
+            group = groups.setdefault(np.dtype(r.dtype), [])
+            offset = sum(x.size for x in group)
+            layout.append(("packed", np.dtype(r.dtype), offset, r.shape))
+            group.append(r)
+    if sum(len(g) for g in groups.values()) < 2:  # nothing to gain: keep them as they are
+        return list(residuals), tuple(("alone", i) for i in range(len(residuals)))
+    order = {dt: len(alone) + i for i, dt in enumerate(groups)}
+    buffers = alone + [jnp.concatenate([x.reshape(-1) for x in g]) for g in groups.values()]
+    layout = tuple(
+        entry if entry[0] == "alone" else ("packed", order[entry[1]], entry[2], entry[3])
+        for entry in layout
+    )
+    return buffers, layout
+
+
+def _unpack(buffers: list, layout) -> list:
+    """The residuals ``_pack`` was given, sliced back out of its buffers."""
+    out = []
+    for entry in layout:
+        if entry[0] == "alone":
+            out.append(buffers[entry[1]])
+        else:
+            _, i, offset, shape = entry
+            size = int(np.prod(shape, dtype=np.int64))
+            out.append(buffers[i][offset : offset + size].reshape(shape))
+    return out
+
+
 def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -222,11 +271,13 @@ class Program:
         self._vjp_sources = tuple(sources)
         self.saved_input_index = tuple(saved_in)
         self.saved_output_index = tuple(saved_out)
+        residuals, self._pack_layout = _pack(residuals)
         self.residual_specs = tuple(LeafSpec(r.shape, np.dtype(r.dtype)) for r in residuals)
         return outs, residuals
 
     def _bwd(self, saved_inputs, saved_outputs, residuals, cotangents):
         self.trace_count += 1
+        residuals = _unpack(list(residuals), self._pack_layout)
         residuals = [
             r if impl is None else jax.random.wrap_key_data(r, impl=impl)
             for r, impl in zip(residuals, self._key_impls, strict=True)

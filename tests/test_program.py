@@ -91,3 +91,23 @@ def test_stale_signature_is_refused():
 def test_non_array_output_is_a_clear_error():
     with pytest.raises(TypeError, match=r"output \['m'\].*only arrays"):
         Program(lambda ls: {"m": object()}, [LeafSpec((2,), np.float32)])
+
+
+def test_small_residuals_cross_packed_one_buffer_per_dtype():
+    def chain(leaves):
+        x = leaves[0]
+        for w in leaves[1:]:
+            x = jnp.tanh(x * w)  # each layer keeps a small float32 residual
+        return x
+
+    r = np.random.default_rng(0)
+    leaves = [r.standard_normal((4, 8)).astype(np.float32) for _ in range(12)]
+    p = Program(chain, [LeafSpec(a.shape, a.dtype, True) for a in leaves])
+    outs, res = p.forward_with_residuals(leaves)
+    assert len(res) == 1 and res[0].ndim == 1  # 11+ residuals, one float32 buffer
+    ct = r.standard_normal((4, 8)).astype(np.float32)
+    grads = p.backward([leaves[j] for j in p.saved_input_index],
+                       [outs[k] for k in p.saved_output_index], res, [ct])
+    _, vjp = jax.vjp(lambda *ls: chain(list(ls)), *leaves)
+    for g, want in zip(grads, vjp(ct), strict=True):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
