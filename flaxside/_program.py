@@ -162,6 +162,12 @@ class Program:
                     f"the function is a {type(leaf).__name__}, but only arrays can cross to "
                     f"torch. Return arrays (or a tuple/list/dict of arrays) from the module."
                 )
+            if isinstance(leaf, jax.Array) and _is_key(leaf):
+                raise TypeError(
+                    f"{self.name}: output {jtu.keystr(_leaf_path(self.out_treedef, i))} of "
+                    f"the function is a typed PRNG key array ({leaf.dtype}), which torch "
+                    f"cannot hold. Return jax.random.key_data(key) instead."
+                )
         return _distinct([jnp.asarray(x) for x in out_leaves + aux_leaves], leaves)
 
     def _vjp(self, leaves):

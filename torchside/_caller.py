@@ -9,8 +9,10 @@ from collections.abc import Callable
 import jax
 import torch
 
+import bridge
 from flaxside import ARRAY, LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
 from torchside._function import RESIDUAL_MODES, BridgeFunction, Entry
+from torchside._recompile import RecompileMonitor
 from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
 
 jtu = jax.tree_util
@@ -26,6 +28,21 @@ def check_residuals(residuals: str, where: str) -> str:
     return residuals
 
 
+def check_output_dtypes(program: Program, where: str) -> None:
+    """Refuses, at build time and by output path, a result dtype torch has no match for."""
+    tree = jtu.tree_unflatten(program.out_treedef, range(program.n_out))
+    for path, k in jtu.tree_flatten_with_path(tree)[0]:
+        dtype = program.out_specs[k].dtype
+        try:
+            bridge.torch_dtype(dtype)
+        except TypeError:
+            raise TypeError(
+                f"{where}: output {jtu.keystr(path) or '(the result)'} has dtype {dtype}, which "
+                f"torch cannot hold. Cast it inside the function (e.g. .astype(jnp.int8) for "
+                f"int4) or leave it out of the outputs."
+            ) from None
+
+
 class Caller:
     """The compile cache and the call path shared by ``FlaxModule`` and ``jax_function``.
 
@@ -36,17 +53,25 @@ class Caller:
         where: the owner's name for error messages.
         residuals: the boundary mode, ``"save"`` or ``"recompute"``.
         cache_size: how many signatures keep their compiled programs (LRU).
+        recompile_warning: warn once (``RecompileWarning``) after this many distinct
+            signatures, naming what changes; ``None`` never warns.
     """
 
     def __init__(self, make_apply: Callable, *, where: str, residuals: str = "save",
-                 cache_size: int = 32):
+                 cache_size: int = 32, recompile_warning: int | None = 8):
         self.make_apply = make_apply
         self.where = where
         self.residuals = check_residuals(residuals, where)
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(
+                f"{where}: cache_size={cache_size!r} must be a positive int (how many call "
+                f"signatures keep their compiled programs)."
+            )
         self.cache_size = cache_size
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self._epoch = 0
+        self._recompiles = RecompileMonitor(recompile_warning, where)
 
     def clear(self) -> None:
         """Drops every compiled program; the next call compiles again."""
@@ -109,15 +134,16 @@ class Caller:
             n for n, s in zip(arg_names(treedef), static_key, strict=True) if s is ARRAY
         ]
         leaves = list(variables) + tensors
-        np_dtypes = leaf_dtypes(leaves, names, device, self.where)
-        specs = [
-            LeafSpec(tuple(t.shape), d, grad_on and t.requires_grad and is_differentiable(d))
-            for t, d in zip(leaves, np_dtypes, strict=True)
-        ]
-        apply, has_aux = self.make_apply(context)
-        fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
         try:
+            np_dtypes = leaf_dtypes(leaves, names, device, self.where, bool(variables))
+            specs = [
+                LeafSpec(tuple(t.shape), d, grad_on and t.requires_grad and is_differentiable(d))
+                for t, d in zip(leaves, np_dtypes, strict=True)
+            ]
+            apply, has_aux = self.make_apply(context)
+            fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
             program = Program(fn, specs, has_aux=has_aux, name=self.where)
+            check_output_dtypes(program, self.where)
         except StaleSignature:
             raise
         except Exception as e:
@@ -133,4 +159,15 @@ class Caller:
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        self._recompiles.record(
+            key[:4] + key[5:],  # without the epoch: a rebuild after clear() is no new signature
+            [(n, t.shape, t.dtype) for n, t in zip(names[len(variables):], tensors, strict=True)],
+            [(n, s[1]) for n, s in zip(arg_names(treedef), static_key, strict=True)
+             if s is not ARRAY],
+            [("the argument structure", treedef),
+             ("which arguments require grad", tuple(g for *_, g in key[2])),
+             ("which parameters require grad", key[3]),
+             ("train/eval mode", context),
+             ("jax_enable_x64", key[6])],
+        )
         return entry

@@ -44,6 +44,8 @@ class FlaxModule(torch.nn.Module):
             and backward; ``"recompute"`` holds only the inputs and reruns the forward in the
             backward, like ``torch.utils.checkpoint`` around the whole block.
         cache_size: how many call signatures keep their compiled programs (LRU).
+        recompile_warning: after this many distinct call signatures, warn once with a
+            ``RecompileWarning`` naming the changing dimension; ``None`` never warns.
 
     Example:
         >>> import flax.linen as nn
@@ -66,6 +68,7 @@ class FlaxModule(torch.nn.Module):
         train_kwarg: str | None = None,
         residuals: str = "save",
         cache_size: int = 32,
+        recompile_warning: int | None = 8,
     ):
         super().__init__()
         rngs = (rngs,) if isinstance(rngs, str) else tuple(rngs)
@@ -88,7 +91,7 @@ class FlaxModule(torch.nn.Module):
         self._rng_shape = (len(rngs), *key_data_shape()) if rngs else None
         where = f"FlaxModule({type(module).__name__})"
         self._caller = Caller(self._make_apply, where=where, residuals=residuals,
-                              cache_size=cache_size)
+                              cache_size=cache_size, recompile_warning=recompile_warning)
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
