@@ -55,10 +55,13 @@ class Caller:
         cache_size: how many signatures keep their compiled programs (LRU).
         recompile_warning: warn once (``RecompileWarning``) after this many distinct
             signatures, naming what changes; ``None`` never warns.
+        mutated: ``mutated(context) -> indices`` of the variables the owner overwrites in
+            place after each call (train-mode buffers); the backward keeps copies of them.
     """
 
     def __init__(self, make_apply: Callable, *, where: str, residuals: str = "save",
-                 cache_size: int = 32, recompile_warning: int | None = 8):
+                 cache_size: int = 32, recompile_warning: int | None = 8,
+                 mutated: Callable | None = None):
         self.make_apply = make_apply
         self.where = where
         self.residuals = check_residuals(residuals, where)
@@ -72,6 +75,7 @@ class Caller:
         self._lock = threading.Lock()
         self._epoch = 0
         self._recompiles = RecompileMonitor(recompile_warning, where)
+        self.mutated = mutated
 
     def clear(self) -> None:
         """Drops every compiled program; the next call compiles again."""
@@ -155,6 +159,8 @@ class Caller:
                 e.add_note(f"{self.where} was called with {shapes or 'no tensors'}.")
             raise
         entry = Entry(program, np_dtypes, device, self.residuals)
+        if self.mutated is not None:
+            entry.mutated = frozenset(self.mutated(context))
         with self._lock:
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:

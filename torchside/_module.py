@@ -91,7 +91,8 @@ class FlaxModule(torch.nn.Module):
         self._rng_shape = (len(rngs), *key_data_shape()) if rngs else None
         where = f"FlaxModule({type(module).__name__})"
         self._caller = Caller(self._make_apply, where=where, residuals=residuals,
-                              cache_size=cache_size, recompile_warning=recompile_warning)
+                              cache_size=cache_size, recompile_warning=recompile_warning,
+                              mutated=self._adapter.mutable_index)
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
