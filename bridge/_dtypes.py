@@ -104,7 +104,7 @@ def torch_dtype(dtype: np.dtype, *, name: str = "array") -> torch.dtype:
         ) from None
 
 
-@ft.lru_cache(maxsize=None)  # on the per-call path: one dict lookup per output
+@ft.cache  # on the per-call path: one dict lookup per output
 def typestr(dtype: np.dtype) -> tuple[str, torch.dtype | None]:
     """The numpy typestr to expose a JAX buffer with, and the torch dtype to re-view it as.
 

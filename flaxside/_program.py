@@ -93,7 +93,8 @@ def _pack(residuals: list):
     """
     alone, groups, layout = [], {}, []
     for r in residuals:
-        if r.size * r.dtype.itemsize > PACK_BYTES:
+        # Residuals an offloading policy put in host memory stay alone (and stay there).
+        if r.size * r.dtype.itemsize > PACK_BYTES or _memory_space(r) != "device":
             layout.append(("alone", len(alone)))
             alone.append(r)
         else:
@@ -110,6 +111,11 @@ def _pack(residuals: list):
         for entry in layout
     )
     return buffers, layout
+
+
+def _memory_space(x) -> str:
+    space = getattr(jax.typeof(x), "memory_space", None)
+    return "device" if space is None else str(getattr(space, "name", space)).lower()
 
 
 def _unpack(buffers: list, layout) -> list:
@@ -210,6 +216,12 @@ class Program:
                     f"{self.name}: output {jtu.keystr(_leaf_path(self.out_treedef, i))} of "
                     f"the function is a {type(leaf).__name__}, but only arrays can cross to "
                     f"torch. Return arrays (or a tuple/list/dict of arrays) from the module."
+                )
+            if isinstance(leaf, jax.Array) and _is_key(leaf):
+                raise TypeError(
+                    f"{self.name}: output {jtu.keystr(_leaf_path(self.out_treedef, i))} of "
+                    f"the function is a typed PRNG key array ({leaf.dtype}), which torch "
+                    f"cannot hold. Return jax.random.key_data(key) instead."
                 )
         return _distinct([jnp.asarray(x) for x in out_leaves + aux_leaves], leaves)
 

@@ -5,3 +5,4 @@ from torchside._function import BridgeFunction as BridgeFunction
 from torchside._jax_function import JaxFunction as JaxFunction
 from torchside._jax_function import jax_function as jax_function
 from torchside._module import FlaxModule as FlaxModule
+from torchside._recompile import RecompileWarning as RecompileWarning

@@ -12,6 +12,7 @@ import torch
 import bridge
 from flaxside import ARRAY, LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
 from torchside._function import RESIDUAL_MODES, Entry, apply_bridge
+from torchside._recompile import RecompileMonitor
 from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
 
 jtu = jax.tree_util
@@ -27,6 +28,21 @@ def check_residuals(residuals: str, where: str) -> str:
     return residuals
 
 
+def check_output_dtypes(program: Program, where: str) -> None:
+    """Refuses, at build time and by output path, a result dtype torch has no match for."""
+    tree = jtu.tree_unflatten(program.out_treedef, range(program.n_out))
+    for path, k in jtu.tree_flatten_with_path(tree)[0]:
+        dtype = program.out_specs[k].dtype
+        try:
+            bridge.torch_dtype(dtype)
+        except TypeError:
+            raise TypeError(
+                f"{where}: output {jtu.keystr(path) or '(the result)'} has dtype {dtype}, which "
+                f"torch cannot hold. Cast it inside the function (e.g. .astype(jnp.int8) for "
+                f"int4) or leave it out of the outputs."
+            ) from None
+
+
 class Caller:
     """The compile cache and the call path shared by ``FlaxModule`` and ``jax_function``.
 
@@ -39,17 +55,25 @@ class Caller:
         where: the owner's name for error messages.
         residuals: the boundary mode, ``"save"`` or ``"recompute"``.
         cache_size: how many signatures keep their compiled programs (LRU).
+        recompile_warning: warn once (``RecompileWarning``) after this many distinct
+            signatures, naming what changes; ``None`` never warns.
     """
 
     def __init__(self, make_apply: Callable, *, where: str, residuals: str = "save",
-                 cache_size: int = 32):
+                 cache_size: int = 32, recompile_warning: int | None = 8):
         self.make_apply = make_apply
         self.where = where
         self.residuals = check_residuals(residuals, where)
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(
+                f"{where}: cache_size={cache_size!r} must be a positive int (how many call "
+                f"signatures keep their compiled programs)."
+            )
         self.cache_size = cache_size
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self._epoch = 0
+        self._recompiles = RecompileMonitor(recompile_warning, where)
 
     def clear(self) -> None:
         """Drops every compiled program; the next call compiles again."""
@@ -110,6 +134,19 @@ class Caller:
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        names = arg_names(treedef)
+        self._recompiles.record(
+            key[:4] + key[5:],  # without the epoch: a rebuild after clear() is no new signature
+            [(n, t.shape, t.dtype) for n, t in
+             zip([n for n, s in zip(names, static_key, strict=True) if s is ARRAY], tensors,
+                 strict=True)],
+            [(n, s[1]) for n, s in zip(names, static_key, strict=True) if s is not ARRAY],
+            [("the argument structure", treedef),
+             ("which arguments require grad", tuple(g for *_, g in key[2])),
+             ("which parameters require grad", key[3]),
+             ("train/eval mode", context),
+             ("jax_enable_x64", key[6])],
+        )
         return entry
 
     def build_entry(self, leaves, diff, var_treedef, var_names, n_vars, treedef, static_key,
@@ -137,16 +174,18 @@ class Caller:
         names = list(var_names) + [
             n for n, s in zip(arg_names(treedef), static_key, strict=True) if s is ARRAY
         ]
-        np_dtypes = leaf_dtypes(leaves, names, device, self.where)
-        bridge.jax_device(device, name=names[0] if names else "input")  # JAX has it?
-        specs = [
-            LeafSpec(tuple(int(d) for d in t.shape), dt, bool(want) and is_differentiable(dt))
-            for t, dt, want in zip(leaves, np_dtypes, diff, strict=True)
-        ]
-        apply, has_aux, aux_targets = self.make_apply(context)
-        fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
         try:
+            np_dtypes = leaf_dtypes(leaves, names, device, self.where, n_vars > 0)
+            bridge.jax_device(device, name=names[0] if names else "input")  # JAX has it?
+            specs = [
+                LeafSpec(tuple(int(d) for d in t.shape), dt,
+                         bool(want) and is_differentiable(dt))
+                for t, dt, want in zip(leaves, np_dtypes, diff, strict=True)
+            ]
+            apply, has_aux, aux_targets = self.make_apply(context)
+            fn = flat_apply(apply, var_treedef, treedef, arg_slots(static_key))
             program = Program(fn, specs, has_aux=has_aux, name=self.where)
+            check_output_dtypes(program, self.where)
         except StaleSignature:
             raise
         except Exception as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import torch
-from torch.autograd.function import once_differentiable
 
 import bridge
 from flaxside import Program
@@ -52,9 +51,15 @@ class Entry:
     # -- conversions on the per-call path ----------------------------------------------
     def arrays(self, tensors, np_dtypes) -> list:
         """Tensors -> what the jitted program takes (numpy views on CPU, DLPack on CUDA)."""
-        if self.cpu:
-            return [bridge.numpy_view(t, d) for t, d in zip(tensors, np_dtypes, strict=True)]
-        return [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors]
+        try:
+            if self.cpu:
+                return [bridge.numpy_view(t, d) for t, d in zip(tensors, np_dtypes, strict=True)]
+            return [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors]
+        except Exception as e:
+            # Checked only on failure: the per-call path pays nothing for it.
+            if any(_functorch_wrapped(t) for t in tensors):
+                raise _under_torch_func(self.program.name) from e
+            raise
 
     def tensors(self, arrays) -> list[torch.Tensor]:
         """Program results -> torch tensors, after waiting for JAX to compute them."""
@@ -73,6 +78,19 @@ class Entry:
         return self.tensors(self.program.forward(self.arrays(tensors, self.np_dtypes)))
 
 
+def _functorch_wrapped(tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(isinstance(tensor, torch.Tensor) and check and check(tensor))
+
+
+def _under_torch_func(where: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{where}: called under a torch.func transform (vmap, grad, jacrev, ...), whose "
+        f"tensors have no memory JAX can read. Call it outside the transform, or apply the "
+        f"JAX transform (jax.vmap, jax.grad) inside a jax_function."
+    )
+
+
 class BridgeFunction(torch.autograd.Function):
     """``apply(entry, *leaves) -> (*outputs, *aux, *residuals)``; the caller drops residuals.
 
@@ -80,6 +98,9 @@ class BridgeFunction(torch.autograd.Function):
     ``ctx.save_for_backward``: torch's saved-tensor hooks, ``save_on_cpu`` and
     non-reentrant checkpointing then see exactly what we hold, and in-place writes to any
     saved input, parameter or output raise torch's usual version-counter error.
+
+    The backward is differentiable once: with ``create_graph=True`` it raises (see
+    ``backward``) rather than hand torch gradients without a graph.
     """
 
     @staticmethod
@@ -117,30 +138,50 @@ class BridgeFunction(torch.autograd.Function):
         ctx.n_leaves = len(leaves)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
-        entry = ctx.entry
-        program = entry.program
-        saved = ctx.saved_tensors
-        cots = entry.arrays(
-            [grads[k] if grads[k] is not None else entry.zeros(k) for k in program.diff_out_index],
-            entry.cot_dtypes,
-        )
-        if entry.recompute:
-            result = program.backward_recompute(entry.arrays(saved, entry.np_dtypes), cots)
-        else:
-            a = len(program.saved_input_index)
-            b = a + len(program.saved_output_index)
-            result = program.backward(
-                entry.arrays(saved[:a], entry.saved_in_dtypes),
-                entry.arrays(saved[a:b], entry.saved_out_dtypes),
-                entry.arrays(saved[b:], entry.res_dtypes),
-                cots,
+        if torch.is_grad_enabled():
+            if any(_functorch_wrapped(g) for g in grads):  # torch.func.grad runs us so
+                raise _under_torch_func(ctx.entry.program.name)
+            # create_graph=True: torch would differentiate these gradients again, through a
+            # compiled JAX VJP it cannot see into. Refuse now. A lazy refusal (torch's
+            # once_differentiable) hangs its error node on fresh leaves, off the path to the
+            # parameters: autograd.grad(loss_with_gradient_penalty, params) never reaches it
+            # and silently drops the penalty's gradient. A node on that path would have to
+            # save one of our own outputs, which identity saved-tensor hooks (save_on_cpu on
+            # CPU) turn into a reference cycle that leaks the whole graph.
+            raise NotImplementedError(
+                f"{ctx.entry.program.name}: backward with create_graph=True (a gradient "
+                f"penalty, a Hessian-vector product, MAML) needs the second derivative of "
+                f"this call, which is not implemented: its backward is a compiled JAX VJP "
+                f"that torch cannot differentiate. Compute the higher-order term inside JAX "
+                f"(e.g. a jax_function that returns jax.grad of the inner loss, so torch "
+                f"needs only its first derivative), or differentiate without create_graph."
             )
-        out = [None] * (1 + ctx.n_leaves)
-        for slot, g in zip(entry.grad_slots, entry.tensors(result), strict=True):
-            out[slot] = g
-        return tuple(out)
+        return _backward(ctx, ctx.saved_tensors, grads)
+
+
+def _backward(ctx, saved, grads) -> tuple:
+    entry = ctx.entry
+    program = entry.program
+    cots = entry.arrays(
+        [grads[k] if grads[k] is not None else entry.zeros(k) for k in program.diff_out_index],
+        entry.cot_dtypes,
+    )
+    if entry.recompute:
+        result = program.backward_recompute(entry.arrays(saved, entry.np_dtypes), cots)
+    else:
+        a = len(program.saved_input_index)
+        b = a + len(program.saved_output_index)
+        result = program.backward(
+            entry.arrays(saved[:a], entry.saved_in_dtypes),
+            entry.arrays(saved[a:b], entry.saved_out_dtypes),
+            entry.arrays(saved[b:], entry.res_dtypes),
+            cots,
+        )
+    out = [None] * (1 + ctx.n_leaves)
+    for slot, g in zip(entry.grad_slots, entry.tensors(result), strict=True):
+        out[slot] = g
+    return tuple(out)
 
 
 # torch's Function.apply binds default arguments with inspect.signature on every call when

@@ -15,7 +15,8 @@ _NO_STATE = jax.tree_util.tree_structure(((), None))
 class JaxFunction:
     """A JAX function called with torch tensors; see ``jax_function``."""
 
-    def __init__(self, fn: Callable, *, residuals: str = "save", cache_size: int = 32):
+    def __init__(self, fn: Callable, *, residuals: str = "save", cache_size: int = 32,
+                 recompile_warning: int | None = 8):
         ft.update_wrapper(self, fn)
         self.fn = fn
         name = getattr(fn, "__name__", type(fn).__name__)
@@ -24,7 +25,7 @@ class JaxFunction:
             return (lambda _state, *args, **kwargs: (fn(*args, **kwargs), [])), True, ()
 
         self._caller = Caller(make_apply, where=f"jax_function({name})", residuals=residuals,
-                              cache_size=cache_size)
+                              cache_size=cache_size, recompile_warning=recompile_warning)
 
     def __call__(self, *args, **kwargs):
         """Runs ``fn`` on pytrees of tensors (and static values); returns tensors."""
@@ -41,7 +42,8 @@ class JaxFunction:
         return sum(e.program.trace_count for e in self._caller.entries)
 
 
-def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_size: int = 32):
+def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_size: int = 32,
+                 recompile_warning: int | None = 8):
     """Turns ``fn(*pytrees, **kwargs)`` written in JAX into a torch callable with autograd.
 
     Every tensor leaf of the arguments becomes a JAX array without a copy; non-tensor leaves
@@ -54,6 +56,8 @@ def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_s
             with or without arguments.
         residuals: ``"save"`` or ``"recompute"`` (see ``FlaxModule``).
         cache_size: how many call signatures keep their compiled programs (LRU).
+        recompile_warning: after this many distinct call signatures, warn once with a
+            ``RecompileWarning`` naming what changes; ``None`` never warns.
 
     Returns:
         A ``JaxFunction``, callable like ``fn`` but with torch tensors.
@@ -69,5 +73,7 @@ def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_s
         torch.Size([2, 3])
     """
     if fn is None:
-        return ft.partial(jax_function, residuals=residuals, cache_size=cache_size)
-    return JaxFunction(fn, residuals=residuals, cache_size=cache_size)
+        return ft.partial(jax_function, residuals=residuals, cache_size=cache_size,
+                          recompile_warning=recompile_warning)
+    return JaxFunction(fn, residuals=residuals, cache_size=cache_size,
+                       recompile_warning=recompile_warning)

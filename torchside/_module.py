@@ -51,6 +51,8 @@ class FlaxModule(torch.nn.Module):
             parameters, as with torch's own autocast) and runs the block in it; ``"off"``
             ignores autocast.
         cache_size: how many call signatures keep their compiled programs (LRU).
+        recompile_warning: after this many distinct call signatures, warn once with a
+            ``RecompileWarning`` naming the changing dimension; ``None`` never warns.
 
     Example:
         >>> import flax.linen as nn
@@ -74,6 +76,7 @@ class FlaxModule(torch.nn.Module):
         residuals: str = "save",
         autocast: str = "outputs",
         cache_size: int = 32,
+        recompile_warning: int | None = 8,
     ):
         super().__init__()
         if autocast not in AUTOCAST_MODES:
@@ -103,7 +106,7 @@ class FlaxModule(torch.nn.Module):
         self._leaf_is_param = tuple(p for _, _, p in self._refs) + (False,) * bool(rngs)
         where = f"FlaxModule({type(module).__name__})"
         self._caller = Caller(self._make_apply, where=where, residuals=residuals,
-                              cache_size=cache_size)
+                              cache_size=cache_size, recompile_warning=recompile_warning)
         self._bridge_id = register_module(self)
 
     # -- torch hooks that replace or re-type the variables ------------------------------

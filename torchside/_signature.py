@@ -65,15 +65,23 @@ def arg_names(treedef) -> list[str]:
     return names
 
 
-def leaf_dtypes(tensors, names, device: torch.device, where: str) -> tuple:
-    """Checks dtypes and devices once per signature and returns the numpy dtypes."""
+def leaf_dtypes(tensors, names, device: torch.device, where: str,
+                has_parameters: bool = True) -> tuple:
+    """Checks dtypes and devices once per signature and returns the numpy dtypes.
+
+    ``device`` is the parameters' device, or without parameters the first tensor's.
+    """
     out = []
     for t, name in zip(tensors, names, strict=True):
         if t.device != device:
+            if has_parameters:
+                what = "the module's parameters are"
+                fix = f"Move the input with .to('{device}') or the module with .to('{t.device}')."
+            else:
+                what = f"{names[0]} is"
+                fix = f"Move every tensor argument to one device, e.g. {name}.to('{device}')."
             raise ValueError(
-                f"{where}: argument {name} is on {t.device}, but the module's parameters are "
-                f"on {device}. Move the input with .to('{device}') or the module with "
-                f".to('{t.device}')."
+                f"{where}: argument {name} is on {t.device}, but {what} on {device}. {fix}"
             )
         out.append(bridge.numpy_dtype(t.dtype, name=name))
     return tuple(out)
