@@ -1,0 +1,143 @@
+"""``lengths="auto"``: pick the loop nesting of a stack by measuring compiled memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+
+from flaxside._memory import format_bytes, memory_report
+from flaxside._stack_core import stack_apply
+
+jtu = jax.tree_util
+logger = logging.getLogger("flaxside")
+
+#: Factorizations measured per level count (2 and 3 levels): those with the smallest sum
+#: of lengths. Memory grows roughly with that sum (lengths[0] carries held, then one inner
+#: segment's carries rebuilt per level in the backward); the rest are not worth a compile.
+CANDIDATES_PER_LEVEL = 4
+
+_CHOICES: dict = {}  # lengths="auto" decisions, per stack configuration and input signature
+
+
+def cached_choice(key, choose) -> LengthsChoice:
+    """``choose()`` once per hashable ``key``; compiling every candidate is not cheap."""
+    try:
+        hash(key)
+    except TypeError:  # an unhashable block argument: measure again
+        return choose()
+    if key not in _CHOICES:
+        _CHOICES[key] = choose()
+    return _CHOICES[key]
+
+
+def signature(tree) -> tuple:
+    """A hashable summary of a pytree of arrays: structure, shapes, dtypes, backend."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return treedef, tuple((a.shape, str(a.dtype)) for a in leaves), jax.default_backend()
+
+
+def factorizations(depth: int, levels: int) -> list[tuple[int, ...]]:
+    """Ordered factorizations of ``depth`` into ``levels`` factors, each at least 2."""
+    if levels == 1:
+        return [(depth,)]
+    out = []
+    for a in range(2, depth // 2 + 1):
+        if depth % a == 0:
+            out += [(a, *rest) for rest in factorizations(depth // a, levels - 1)
+                    if all(r >= 2 for r in rest)]
+    return out
+
+
+def candidate_lengths(depth: int) -> list[tuple[int, ...]]:
+    """One level, then the few 2- and 3-level factorizations worth measuring."""
+    out = [(depth,)]
+    for levels in (2, 3):
+        ranked = sorted(factorizations(depth, levels), key=lambda f: (sum(f), f))
+        out += ranked[:CANDIDATES_PER_LEVEL]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthsChoice:
+    """The lengths ``lengths="auto"`` chose, why, and every candidate it measured.
+
+    Attributes:
+        lengths: the chosen loop lengths, outermost first.
+        reason: one sentence saying why.
+        table: ``(lengths, held_bytes, backward_temp_bytes, compile_seconds)`` per candidate.
+    """
+
+    lengths: tuple[int, ...]
+    reason: str
+    table: tuple[tuple[tuple[int, ...], int, int, float], ...]
+
+    def __str__(self) -> str:
+        lines = [f"{'lengths':<14}{'held':>13}{'backward temp':>16}{'compile':>10}"]
+        for lengths, held, temp, secs in self.table:
+            mark = "  <- chosen" if lengths == self.lengths else ""
+            lines.append(f"{str(lengths):<14}{format_bytes(held)}{format_bytes(temp):>16}"
+                         f"{secs:>8.2f} s{mark}")
+        return self.reason + "\n" + "\n".join(lines)
+
+
+def choose_stack_lengths(
+    layer_fn: Callable, layer_params, carry, consts, *, depth: int, policy=None,
+    memory_budget: int | None = None, where: str = "remat_stack",
+) -> LengthsChoice:
+    """Measures ``stack_apply`` per candidate nesting and picks one.
+
+    Without a budget: the least held + backward temp bytes (ties: fewer levels). With
+    ``memory_budget``: the fewest levels, i.e. the fewest forward recomputations, whose
+    held + backward temp bytes fit, then the least memory.
+
+    Args:
+        layer_fn: as for ``stack_apply``.
+        layer_params: one layer's parameters (arrays or shape structs).
+        carry: the stack's input (array or shape struct).
+        consts: as for ``stack_apply``.
+        depth: the number of layers.
+        policy: the per-layer checkpoint policy (a callable or None).
+        memory_budget: bytes, or None.
+        where: the public function named in errors.
+
+    Raises:
+        ValueError: no candidate fits ``memory_budget``.
+    """
+    shape = jax.ShapeDtypeStruct
+    stacked = jtu.tree_map(lambda a: shape((depth, *a.shape), a.dtype), layer_params)
+    rows = []
+    for lengths in candidate_lengths(depth):
+        def fn(params, carry, consts, lengths=lengths):
+            return stack_apply(layer_fn, params, carry, consts, lengths=lengths, policy=policy,
+                               layout=(depth,))
+
+        report = memory_report(fn, stacked, carry, consts)
+        rows.append((lengths, report.held_bytes, report.backward_temp_bytes or 0,
+                     report.compile_seconds))
+    cost = {r[0]: r[1] + r[2] for r in rows}
+    n = f"{len(rows)} measured factorizations of depth {depth}"
+    if memory_budget is None:
+        best = min(cost, key=lambda f: (cost[f], len(f)))
+        reason = (f"lengths={best}: least held + backward temp bytes "
+                  f"({format_bytes(cost[best]).strip()}) of {n}.")
+    else:
+        fits = [f for f in cost if cost[f] <= memory_budget]
+        if not fits:
+            least = min(cost, key=cost.get)
+            raise ValueError(
+                f"{where}: no nesting of depth {depth} fits memory_budget={memory_budget} "
+                f"bytes; the least held + backward temp is {cost[least]} bytes with lengths "
+                f"{least}. Raise the budget, lower the batch size, or pass a policy that "
+                f"saves less."
+            )
+        best = min(fits, key=lambda f: (len(f), cost[f]))
+        reason = (f"lengths={best}: fewest levels ({len(best)}; each level recomputes the "
+                  f"forward once more) whose held + backward temp bytes "
+                  f"({format_bytes(cost[best]).strip()}) fit memory_budget "
+                  f"({format_bytes(memory_budget).strip()}), of {n}.")
+    choice = LengthsChoice(best, reason, tuple(rows))
+    logger.info("%s chose %s", where, choice)
+    return choice
