@@ -19,18 +19,18 @@ logger = logging.getLogger("flaxside")
 #: segment's carries rebuilt per level in the backward); the rest are not worth a compile.
 CANDIDATES_PER_LEVEL = 4
 
-_CHOICES: dict = {}  # lengths="auto" decisions, per stack configuration and input signature
+_MEASURED: dict = {}  # lengths="auto" tables, per stack configuration and input signature
 
 
-def cached_choice(key, choose) -> LengthsChoice:
-    """``choose()`` once per hashable ``key``; compiling every candidate is not cheap."""
+def cached(key, compute):
+    """``compute()`` once per hashable ``key``; compiling every candidate is not cheap."""
     try:
         hash(key)
     except TypeError:  # an unhashable block argument: measure again
-        return choose()
-    if key not in _CHOICES:
-        _CHOICES[key] = choose()
-    return _CHOICES[key]
+        return compute()
+    if key not in _MEASURED:
+        _MEASURED[key] = compute()
+    return _MEASURED[key]
 
 
 def signature(tree) -> tuple:
@@ -83,40 +83,27 @@ class LengthsChoice:
         return self.reason + "\n" + "\n".join(lines)
 
 
-def choose_stack_lengths(
-    layer_fn: Callable, layer_params, carry, consts, *, depth: int, policy=None,
-    memory_budget: int | None = None, where: str = "remat_stack",
-) -> LengthsChoice:
-    """Measures ``stack_apply`` per candidate nesting and picks one.
+def pick_lengths(table, depth: int, *, memory_budget: int | None = None,
+                 where: str = "remat_stack") -> LengthsChoice:
+    """Picks lengths from measured rows; the rule ``lengths="auto"`` follows.
 
     Without a budget: the least held + backward temp bytes (ties: fewer levels). With
-    ``memory_budget``: the fewest levels, i.e. the fewest forward recomputations, whose
-    held + backward temp bytes fit, then the least memory.
+    ``memory_budget``: the fewest levels whose held + backward temp bytes fit (each level
+    recomputes the forward once more, so fewer levels run faster), then the least memory.
 
     Args:
-        layer_fn: as for ``stack_apply``.
-        layer_params: one layer's parameters (arrays or shape structs).
-        carry: the stack's input (array or shape struct).
-        consts: as for ``stack_apply``.
-        depth: the number of layers.
-        policy: the per-layer checkpoint policy (a callable or None).
+        table: ``(lengths, held_bytes, backward_temp_bytes, compile_seconds)`` rows.
+        depth: the number of layers (for messages).
         memory_budget: bytes, or None.
         where: the public function named in errors.
 
-    Raises:
-        ValueError: no candidate fits ``memory_budget``.
-    """
-    shape = jax.ShapeDtypeStruct
-    stacked = jtu.tree_map(lambda a: shape((depth, *a.shape), a.dtype), layer_params)
-    rows = []
-    for lengths in candidate_lengths(depth):
-        def fn(params, carry, consts, lengths=lengths):
-            return stack_apply(layer_fn, params, carry, consts, lengths=lengths, policy=policy,
-                               layout=(depth,))
+    Returns:
+        A ``LengthsChoice`` with a one-sentence reason.
 
-        report = memory_report(fn, stacked, carry, consts)
-        rows.append((lengths, report.held_bytes, report.backward_temp_bytes or 0,
-                     report.compile_seconds))
+    Raises:
+        ValueError: no row fits ``memory_budget``.
+    """
+    rows = list(table)
     cost = {r[0]: r[1] + r[2] for r in rows}
     n = f"{len(rows)} measured factorizations of depth {depth}"
     if memory_budget is None:
@@ -138,6 +125,52 @@ def choose_stack_lengths(
                   f"forward once more) whose held + backward temp bytes "
                   f"({format_bytes(cost[best]).strip()}) fit memory_budget "
                   f"({format_bytes(memory_budget).strip()}), of {n}.")
-    choice = LengthsChoice(best, reason, tuple(rows))
+    return LengthsChoice(best, reason, tuple(rows))
+
+
+def choose_stack_lengths(
+    layer_fn: Callable, layer_params, carry, consts, *, depth: int, policy=None,
+    memory_budget: int | None = None, where: str = "remat_stack", cache_key=None,
+) -> LengthsChoice:
+    """Measures ``stack_apply`` with ``memory_report`` per candidate nesting; picks one.
+
+    The candidates are ``candidate_lengths(depth)``; the rule is ``pick_lengths``'s. The
+    choice is logged at INFO level on the ``flaxside`` logger with the measured table.
+
+    Args:
+        layer_fn: as for ``stack_apply``.
+        layer_params: one layer's parameters (arrays or shape structs).
+        carry: the stack's input (array or shape struct).
+        consts: as for ``stack_apply``.
+        depth: the number of layers.
+        policy: the per-layer checkpoint policy (a callable or None).
+        memory_budget: bytes, or None.
+        where: the public function named in errors.
+        cache_key: if given (hashable, covering everything but the budget), the measured
+            table is kept under it, so another budget or call does not compile again.
+
+    Returns:
+        A ``LengthsChoice``; ``print`` it for the table.
+
+    Raises:
+        ValueError: no candidate fits ``memory_budget``.
+    """
+    shape = jax.ShapeDtypeStruct
+    stacked = jtu.tree_map(lambda a: shape((depth, *a.shape), a.dtype), layer_params)
+
+    def measure():
+        rows = []
+        for lengths in candidate_lengths(depth):
+            def fn(params, carry, consts, lengths=lengths):
+                return stack_apply(layer_fn, params, carry, consts, lengths=lengths,
+                                   policy=policy, layout=(depth,))
+
+            report = memory_report(fn, stacked, carry, consts)
+            rows.append((lengths, report.held_bytes, report.backward_temp_bytes or 0,
+                         report.compile_seconds))
+        return tuple(rows)
+
+    rows = measure() if cache_key is None else cached(cache_key, measure)
+    choice = pick_lengths(rows, depth, memory_budget=memory_budget, where=where)
     logger.info("%s chose %s", where, choice)
     return choice

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from jax import lax
 
-from flaxside._lengths import LengthsChoice, cached_choice, choose_stack_lengths, signature
+from flaxside._lengths import LengthsChoice, choose_stack_lengths, signature
 from flaxside._stack_args import check_lengths, resolve_policy
 from flaxside._stack_core import stack_apply
 from flaxside._stack_nnx import NnxRematStack
@@ -32,7 +32,8 @@ class RematStack(nn.Module):
 
     Built by ``remat_stack``; see there. Parameters are the block's, stacked with leading
     axes ``lengths`` (``(depth,)`` for ``lengths="auto"``), named as ``nn.remat_scan``
-    (one level: ``nn.scan``) would name them.
+    (one level: ``nn.scan``) would name them. Layer ``i`` draws from RNG stream ``name``
+    with ``fold_in(make_rng(name), i)``, so a recomputation sees the same dropout masks.
     """
 
     block: Any
@@ -83,11 +84,11 @@ class RematStack(nn.Module):
         one = self._layer_shapes(x, streams)
         carry = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
         keys = {n: jax.random.key_data(jax.random.key(0)) for n in streams}
-        key = ("linen", self.block, self.block_kwargs, self.depth, self.policy,
-               self.memory_budget, streams, signature(carry))
-        return cached_choice(key, lambda: choose_stack_lengths(
+        key = ("linen", self.block, self.block_kwargs, self.depth, self.policy, streams,
+               signature(carry))
+        return choose_stack_lengths(
             self._layer_fn(), one, carry, keys, depth=self.depth,
-            policy=resolve_policy(self.policy), memory_budget=self.memory_budget))
+            policy=resolve_policy(self.policy), memory_budget=self.memory_budget, cache_key=key)
 
     @nn.compact
     def __call__(self, x):
@@ -108,16 +109,8 @@ class RematStack(nn.Module):
             stacked = lax.map(init_one, jax.random.split(rng, self.depth))["params"][name]
             return jtu.tree_map(lambda a: a.reshape(layout + a.shape[1:]), stacked)
 
+        # Flax checks stored shapes against init_stack's (ScopeParamShapeError).
         params = {n: self.param(n, init_stack, n) for n in one}
-        for (path, a), b in zip(jtu.tree_flatten_with_path(params)[0], jtu.tree_leaves(one),
-                                strict=True):
-            if a.shape != layout + b.shape:
-                raise ValueError(
-                    f"remat_stack: parameter {jtu.keystr(path)} has shape {a.shape}, but this "
-                    f"stack expects {layout + b.shape} (leading axes {layout} for "
-                    f"lengths={self.lengths!r}). Pass variables made by a stack with the same "
-                    f"lengths, or reshape them."
-                )
         keys = {n: jax.random.key_data(self.make_rng(n)) for n in streams}
         lengths = self.choose_lengths(x, streams).lengths if auto else layout
         return stack_apply(self._layer_fn(), params, x, keys, lengths=lengths,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from flaxside._lengths import cached_choice, choose_stack_lengths, signature
+from flaxside._lengths import choose_stack_lengths, signature
 from flaxside._stack_args import check_lengths, resolve_policy
 from flaxside._stack_core import stack_apply
 
@@ -69,12 +69,8 @@ class NnxRematStack(nnx.Module):
         def layer_fn(p, c, consts, i):
             return nnx.merge(graphdef, p)(c)
 
-        def choose():
-            carry = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-            return choose_stack_lengths(
-                layer_fn, one, carry, (), depth=self.depth, policy=resolve_policy(self.policy),
-                memory_budget=self.memory_budget)
-
-        key = ("nnx", graphdef, signature(one), self.depth, self.policy, self.memory_budget,
-               signature(x))
-        return cached_choice(key, choose)
+        carry = jtu.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        key = ("nnx", graphdef, signature(one), self.depth, self.policy, signature(x))
+        return choose_stack_lengths(
+            layer_fn, one, carry, (), depth=self.depth, policy=resolve_policy(self.policy),
+            memory_budget=self.memory_budget, cache_key=key)
