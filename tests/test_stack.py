@@ -20,7 +20,9 @@ from tests.twins import (
     ResidualMLPBlock,
     ScanRematStack,
     ScanStack,
+    torch_stack_from_flax,
 )
+from torchside import FlaxModule
 
 jtu = jax.tree_util
 W, B = 8, 4
@@ -351,3 +353,34 @@ def test_auto_with_budget_end_to_end():
     params = jax.jit(stack.init)(jax.random.key(0), x)
     _assert_close(jax.jit(stack.apply)(params, x),
                   jax.jit(_unrolled_linen(ResidualMLPBlock(W), 4))(params["params"], x))
+
+
+# -- through torch ------------------------------------------------------------------------
+def test_flax_module_of_a_stack_matches_the_torch_twin():
+    """FlaxModule(remat_stack) trains like the torch blocks (under torch's checkpoint)."""
+    stack = flaxside.remat_stack(ResidualMLPBlock, 6, lengths=(2, 3), width=W)
+    variables = jax.jit(stack.init)(jax.random.key(0), jnp.zeros((B, W)))
+    layer = FlaxModule(stack, variables=variables)
+    blocks = torch_stack_from_flax(variables["params"], W)
+    x = torch.randn(B, W, generator=torch.Generator().manual_seed(0))
+    ct = torch.randn(B, W, generator=torch.Generator().manual_seed(1))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = layer(x1)
+    y2 = x2
+    for block in blocks:
+        y2 = torch.utils.checkpoint.checkpoint(block, y2, use_reentrant=False)
+    y1.backward(ct)
+    y2.backward(ct)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    twin = {
+        "Dense_0.kernel": lambda b: b.fc1.weight.grad.T,
+        "Dense_0.bias": lambda b: b.fc1.bias.grad,
+        "Dense_1.kernel": lambda b: b.fc2.weight.grad.T,
+        "Dense_1.bias": lambda b: b.fc2.bias.grad,
+        "LayerNorm_0.scale": lambda b: b.norm.weight.grad,
+        "LayerNorm_0.bias": lambda b: b.norm.bias.grad,
+    }
+    for name, p in layer.named_parameters():
+        per_layer = torch.stack([twin[name.removeprefix("params.")](b) for b in blocks])
+        torch.testing.assert_close(p.grad, per_layer.reshape(p.shape), msg=name)

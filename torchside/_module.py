@@ -9,6 +9,7 @@ import jax
 import torch
 
 import bridge
+import flaxside
 from flaxside import LeafSpec, Program, StaleSignature, flat_apply, is_differentiable
 from torchside._function import BridgeFunction, Entry
 from torchside._signature import arg_names, arg_slots, leaf_dtypes, split_args
@@ -90,6 +91,30 @@ class FlaxModule(torch.nn.Module):
     def trace_count(self) -> int:
         """How many times the cached programs were traced (for tests of the cache)."""
         return sum(e.program.trace_count for e in list(self._cache.values()))
+
+    def memory_report(self, *example_args, **example_kwargs):
+        """What a training call with these arguments holds and needs; nothing runs.
+
+        Delegates to ``flaxside.memory_report`` with the shapes of the current variables
+        and of the tensor arguments (every floating one is differentiated).
+
+        Returns:
+            A ``flaxside.MemoryReport``; ``print`` it for a table.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> layer = FlaxModule(nn.Dense(3), example_args=(torch.zeros(2, 4),))
+            >>> layer.memory_report(torch.zeros(2, 4)).param_bytes
+            60
+        """
+        def shape(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return jax.ShapeDtypeStruct(tuple(t.shape), bridge.numpy_dtype(t.dtype))
+
+        variables = jtu.tree_unflatten(self._var_treedef, map(shape, current_tensors(self._refs)))
+        args, kwargs = jtu.tree_map(shape, (example_args, example_kwargs))
+        return flaxside.memory_report(self.flax_module, *args, variables=variables, **kwargs)
 
     # -- the call -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
