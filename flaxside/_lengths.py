@@ -154,6 +154,13 @@ def choose_stack_lengths(
 
     Raises:
         ValueError: no candidate fits ``memory_budget``.
+
+    Example:
+        >>> f = lambda p, c, k, i: c + jax.numpy.tanh(c @ p)
+        >>> one = jax.ShapeDtypeStruct((4, 4), "float32")
+        >>> x = jax.ShapeDtypeStruct((2, 4), "float32")
+        >>> choose_stack_lengths(f, one, x, (), depth=4).lengths in [(4,), (2, 2)]
+        True
     """
     shape = jax.ShapeDtypeStruct
     stacked = jtu.tree_map(lambda a: shape((depth, *a.shape), a.dtype), layer_params)

@@ -77,8 +77,14 @@ class RematStack(nn.Module):
             rng_streams: names of the RNG streams the block uses (e.g. ``("dropout",)``).
 
         Returns:
-            A ``LengthsChoice`` (cached per configuration and shape); ``print`` it for the
-            table of measured candidates.
+            A ``LengthsChoice`` (measured once per configuration and shape); ``print`` it
+            for the table of measured candidates.
+
+        Example:
+            >>> stack = remat_stack(nn.Dense, 4, lengths="auto", features=3)
+            >>> choice = stack.choose_lengths(jax.ShapeDtypeStruct((2, 3), "float32"))
+            >>> choice.lengths in [(4,), (2, 2)]
+            True
         """
         streams = tuple(rng_streams)
         one = self._layer_shapes(x, streams)
@@ -172,6 +178,7 @@ def remat_stack(block, depth: int, *, lengths=None, policy=None, memory_budget=N
         TypeError: ``block`` is neither a Linen nor an NNX module.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> stack = remat_stack(nn.Dense, 16, lengths=(4, 4), features=8)
         >>> x = jnp.ones((2, 8))
         >>> variables = stack.init(jax.random.key(0), x)

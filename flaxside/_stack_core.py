@@ -95,11 +95,10 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
             known.update({id(x): ("k", k) for k, x in enumerate(jtu.tree_leaves(consts))})
             sources, residuals = [], []
             for leaf in leaves:
-                if id(leaf) in known:
-                    sources.append(known[id(leaf)])
-                else:
-                    sources.append(("r", len(residuals)))
+                if id(leaf) not in known:  # a residual, stacked once even if it repeats
+                    known[id(leaf)] = ("r", len(residuals))
                     residuals.append(leaf)
+                sources.append(known[id(leaf)])
             vjp_layout["treedef"], vjp_layout["sources"] = treedef, tuple(sources)
             return out, residuals
 

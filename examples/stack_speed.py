@@ -1,0 +1,126 @@
+"""Speed and memory of a deep stack's training step: Flax's lifts vs ``flaxside.remat_stack``.
+
+What this shows: one more level of remat should cost about one more forward pass (1.25x a
+``scan(remat)`` step for two levels), but stock ``nn.remat_scan`` costs much more, because
+the autodiff of nested scans copies a slice of the stacked parameters per outer step (in the
+forward and again in the backward) and builds each outer step's gradients in a fresh stack
+before copying them into the full one. ``remat_stack`` reads and writes the full stacks in
+place (``flaxside/_stack_core.py``). Every variant is compiled first, then timed in
+interleaved rounds so that load on a shared machine hits all of them alike; ratios are to
+``nn.scan(nn.remat(Block))``, minimum over rounds. "temp" is XLA's scratch memory for the
+whole jitted step (where the copied slices live), "held" what a forward keeps for the
+backward (``flaxside.memory_report``).
+
+With ``--table``, it prints instead, per depth (16 to 1024), what a forward holds and how
+long the step takes to compile, for two-level ``remat_stack`` and for ``nn.scan`` without
+remat; nothing runs, so large batches cost only compile time.
+
+How to run (CPU is fine; about two minutes at the defaults):
+    PYTHONPATH=. python examples/stack_speed.py [--depth 64] [--width 512] [--batch 64]
+    PYTHONPATH=. python examples/stack_speed.py --table [--width 512] [--batch 64]
+"""
+
+import argparse
+import math
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flaxside
+from tests.twins import (
+    RematScanStack,
+    ResidualMLPBlock,
+    ScanRematStack,
+    ScanStack,
+    StockRematScanStack,
+)
+
+
+def variants(depth: int, width: int):
+    a = math.isqrt(depth)
+    two = (a, depth // a) if a * (depth // a) == depth else None
+    out = {"nn.scan(nn.remat)": ScanRematStack(width, depth)}
+    if two:
+        out[f"nn.remat_scan {two}  [before]"] = StockRematScanStack(width, two)
+        out[f"nn.remat_scan(nn.remat) {two}"] = RematScanStack(width, two)
+    out[f"remat_stack ({depth},)"] = flaxside.remat_stack(ResidualMLPBlock, depth, width=width)
+    if two:
+        out[f"remat_stack {two}  [after]"] = flaxside.remat_stack(
+            ResidualMLPBlock, depth, lengths=two, width=width)
+    c = round(depth ** (1 / 3))
+    if c**3 == depth:
+        out[f"remat_stack {(c, c, c)}"] = flaxside.remat_stack(
+            ResidualMLPBlock, depth, lengths=(c, c, c), width=width)
+    return out
+
+
+def compiled_step(module: nn.Module, x, ct):
+    params = jax.jit(module.init)(jax.random.key(0), x)["params"]
+
+    def loss(p, x):
+        return jnp.vdot(module.apply({"params": p}, x), ct)
+
+    start = time.perf_counter()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    return step, params, time.perf_counter() - start
+
+
+def depth_table(width: int, batch: int):
+    fmt = flaxside._memory.format_bytes
+    x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+    print(f"width {width}, batch {batch}: held bytes and compile seconds (forward+backward)")
+    print(f"{'depth':>6}{'lengths':>12}{'held':>14}{'bwd temp':>14}{'compile':>9}"
+          f"{'scan held':>14}{'compile':>9}")
+    for depth in (16, 64, 256, 1024):
+        a = math.isqrt(depth)
+        ours = flaxside.memory_report(
+            flaxside.remat_stack(ResidualMLPBlock, depth, lengths=(a, a), width=width), x)
+        scan = flaxside.memory_report(ScanStack(width, depth), x)
+        print(f"{depth:>6}{str((a, a)):>12}{fmt(ours.held_bytes)}{fmt(ours.backward_temp_bytes)}"
+              f"{ours.compile_seconds:>7.2f} s{fmt(scan.held_bytes)}{scan.compile_seconds:>7.2f} s",
+              flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=int, default=64)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--table", action="store_true", help="held bytes per depth")
+    args = parser.parse_args()
+    if args.table:
+        return depth_table(args.width, args.batch)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(args.batch, args.width)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(args.batch, args.width)), jnp.float32)
+    print(f"depth {args.depth}, width {args.width}, batch {args.batch}, "
+          f"{jax.devices()[0].device_kind}")
+    runs, info = {}, {}
+    for name, module in variants(args.depth, args.width).items():
+        step, params, seconds = compiled_step(module, x, ct)
+        report = flaxside.memory_report(module, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        jax.block_until_ready(step(params, x))  # warm up
+        runs[name] = (step, params)
+        info[name] = (seconds, step.memory_analysis().temp_size_in_bytes, report.held_bytes)
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, (step, params) in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(params, x))
+            times[name].append(time.perf_counter() - start)
+    base = min(times["nn.scan(nn.remat)"])
+    fmt = flaxside._memory.format_bytes
+    print(f"{'variant':<34}{'step min':>10}{'median':>9}{'ratio':>7}{'compile':>9}"
+          f"{'step temp':>14}{'held':>14}")
+    for name, ts in times.items():
+        seconds, temp, held = info[name]
+        print(f"{name:<34}{min(ts) * 1e3:>7.1f} ms{np.median(ts) * 1e3:>6.0f} ms"
+              f"{min(ts) / base:>6.2f}x{seconds:>7.2f} s{fmt(temp)}{fmt(held)}")
+
+
+if __name__ == "__main__":
+    main()
