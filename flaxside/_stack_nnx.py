@@ -33,11 +33,11 @@ class NnxRematStack(nnx.Module):
         layers = create(rngs)
         _, rest = nnx.state(layers, nnx.Param, ...)
         if jtu.tree_leaves(rest):
+            names = sorted(".".join(map(str, path)) for path, _ in nnx.to_flat_state(rest))
             raise NotImplementedError(
                 f"remat_stack: the NNX block {block.__name__} has state other than nnx.Param "
-                f"({sorted(str(k) for k in rest.flat_state())[:4]}); only parameters can be "
-                f"stacked so far (nnx.Dropout's rngs and BatchNorm statistics would not "
-                f"advance). Keep such state outside the stack."
+                f"({names}); only parameters can be stacked so far (nnx.Dropout's rngs and "
+                f"BatchNorm statistics would not advance). Keep such state outside the stack."
             )
         state = nnx.state(layers)
         nnx.update(layers, jtu.tree_map(lambda a: a.reshape(layout + a.shape[1:]), state))
