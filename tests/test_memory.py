@@ -35,9 +35,8 @@ def _residuals_of_a_real_call(module, variables, x):
 
 @pytest.mark.parametrize(
     "module",
-    [ScanStack(W, DEPTH), ScanRematStack(W, DEPTH),
-     flaxside.remat_stack(ResidualMLPBlock, DEPTH, lengths=(2, 3), width=W)],
-    ids=["scan", "scan_remat", "remat_stack"],
+    [ScanStack(W, DEPTH), flaxside.remat_stack(ResidualMLPBlock, DEPTH, lengths=(2, 3), width=W)],
+    ids=["scan", "remat_stack"],
 )
 def test_held_bytes_are_the_residuals_a_call_keeps(module):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(B, W)), jnp.float32)

@@ -103,19 +103,21 @@ def test_linen_matches_unrolled_layers(lengths):
 
 @pytest.mark.parametrize(
     "lengths, flax_stack",
-    [((16,), ScanRematStack(W, 16)), ((4, 4), RematScanStack(W, (4, 4)))],
+    [((8,), ScanRematStack(W, 8, jnp.float64)), ((2, 4), RematScanStack(W, (2, 4), jnp.float64))],
     ids=["scan_remat", "remat_scan"],
 )
-def test_linen_layout_and_gradients_match_flax_lifts(lengths, flax_stack):
-    x, ct = _data(jnp.float32)
-    stack = flaxside.remat_stack(ResidualMLPBlock, 16, lengths=lengths, width=W)
-    params = jax.eval_shape(stack.init, jax.random.key(0), x)["params"]
-    flax_params = flax_stack.init(jax.random.key(0), x)["params"]["stack"]
-    assert jtu.tree_map(jnp.shape, params) == jtu.tree_map(jnp.shape, flax_params)
-    got = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(flax_params, x, ct)
-    want = _jit_vjp(lambda p, x: flax_stack.apply({"params": {"stack": p}}, x))(
-        flax_params, x, ct)
-    _assert_close(got, want)
+def test_layout_matches_flax_lifts_and_so_do_their_gradients(lengths, flax_stack):
+    """Same parameter names and shapes as Flax's lifts; they match the unrolled reference too."""
+    params, x, ct, (ref_out, (ref_grads, ref_gx)) = _linen_reference(8, 0)
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(ResidualMLPBlock, 8, lengths=lengths, width=W,
+                                     dtype=jnp.float64)
+        ours = jax.eval_shape(stack.init, jax.random.key(0), x)["params"]
+        flax_params = jax.eval_shape(flax_stack.init, jax.random.key(0), x)["params"]["stack"]
+        assert jtu.tree_map(jnp.shape, ours) == jtu.tree_map(jnp.shape, flax_params)
+        out, (grads, gx) = _jit_vjp(lambda p, x: flax_stack.apply({"params": {"stack": p}}, x))(
+            _relayout(params, lengths), x, ct)
+    _assert_close((out, grads, gx), (ref_out, _relayout(ref_grads, lengths), ref_gx))
 
 
 @pytest.mark.parametrize("policy", [*flaxside.policy_names(), "callable"])
@@ -152,10 +154,11 @@ def test_instance_block_and_rng_streams():
     """An unbound instance works; layer i draws dropout from fold_in(make_rng, i)."""
     x, ct = _data(jnp.float32)
     stack = flaxside.remat_stack(_Noisy(), 6, lengths=(2, 3))
-    variables = stack.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    variables = jax.jit(stack.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                    x)
 
-    def run(p, x):
-        return stack.apply({"params": p}, x, rngs={"dropout": jax.random.key(2)})
+    def run(p, x, seed):
+        return stack.apply({"params": p}, x, rngs={"dropout": jax.random.key(seed)})
 
     def unrolled(p, x):
         for i, layer_p in enumerate(_flat_layers(p, 6)):
@@ -163,10 +166,9 @@ def test_instance_block_and_rng_streams():
             x = _Noisy().apply({"params": layer_p}, x, rngs={"dropout": rng})
         return x
 
-    got = _jit_vjp(run)(variables["params"], x, ct)
+    got = _jit_vjp(lambda p, x: run(p, x, 2))(variables["params"], x, ct)
     _assert_close(got, _jit_vjp(unrolled)(variables["params"], x, ct))
-    other = stack.apply(variables, x, rngs={"dropout": jax.random.key(3)})
-    assert not np.allclose(got[0], other)
+    assert not np.allclose(got[0], jax.jit(run, static_argnums=2)(variables["params"], x, 3))
 
 
 def _carry_bytes():
