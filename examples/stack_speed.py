@@ -57,6 +57,10 @@ def variants(depth: int, width: int):
     if two:
         out[f"remat_stack {two}  [after]"] = flaxside.remat_stack(
             ResidualMLPBlock, depth, lengths=two, width=width)
+        # Each layer keeps its internals while its segment is in the backward: no third
+        # forward pass, for two levels' held memory plus one segment of internals.
+        out["  same, everything_saveable"] = flaxside.remat_stack(
+            ResidualMLPBlock, depth, lengths=two, width=width, policy="everything_saveable")
     c = round(depth ** (1 / 3))
     if c**3 == depth:
         out[f"remat_stack {(c, c, c)}"] = flaxside.remat_stack(
