@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
+from flax import nnx
 
 
 class ResidualMLPBlock(nn.Module):
@@ -59,6 +60,51 @@ class ScanRematStack(nn.Module):
         )
         x, _ = stack(body(self.width, self.dtype, name="stack"), x, None)
         return x
+
+
+class ScanStack(nn.Module):
+    """``depth`` residual blocks with ``nn.scan`` and no remat: every layer's internals are held."""
+
+    width: int
+    depth: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            lambda mdl, c, _: (mdl(c), None),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
+        )
+        x, _ = stack(ResidualMLPBlock(self.width, self.dtype, name="stack"), x, None)
+        return x
+
+
+class StockRematScanStack(nn.Module):
+    """``nn.remat_scan(ResidualMLPBlock)`` as documented: the innermost loop is not remat'd."""
+
+    width: int
+    lengths: tuple[int, ...]
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.remat_scan(ResidualMLPBlock, lengths=self.lengths)
+        return stack(self.width, self.dtype, name="stack")(x)
+
+
+class NnxResidualMLPBlock(nnx.Module):
+    """The NNX twin of ``ResidualMLPBlock``."""
+
+    def __init__(self, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.norm = nnx.LayerNorm(width, epsilon=1e-5, **kw)
+        self.fc1 = nnx.Linear(width, 2 * width, **kw)
+        self.fc2 = nnx.Linear(2 * width, width, **kw)
+
+    def __call__(self, x):
+        return x + self.fc2(nnx.gelu(self.fc1(self.norm(x)), approximate=False))
 
 
 class TorchResidualMLPBlock(torch.nn.Module):
@@ -455,22 +501,3 @@ def stack_variables(twin: Twin, variant: str, lengths: tuple[int, ...], dtype: s
     # gives the leaf (BatchNorm keeps bfloat16 statistics in float32).
     return jax.tree_util.tree_map(lambda e, g: g.astype(np_dtype).astype(e.dtype), expected,
                                   variables)
-
-
-class ScanStack(nn.Module):
-    """``depth`` residual blocks with ``nn.scan`` and no remat: holds every activation."""
-
-    width: int
-    depth: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        stack = nn.scan(
-            lambda mdl, c, _: (mdl(c), None),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.depth,
-        )
-        x, _ = stack(ResidualMLPBlock(self.width, self.dtype, name="stack"), x, None)
-        return x

@@ -6,6 +6,7 @@ import jax
 import torch
 
 import bridge
+import flaxside
 from flaxside import adapter_for, init_linen, key_data_shape
 from torchside._caller import Caller
 from torchside._compile import compiled_call, register_module
@@ -133,6 +134,32 @@ class FlaxModule(torch.nn.Module):
     def trace_count(self) -> int:
         """How many times the cached programs were traced (for tests of the cache)."""
         return sum(e.program.trace_count for e in self._caller.entries)
+
+    def memory_report(self, *example_args, **example_kwargs):
+        """What a training call with these arguments holds and needs; nothing runs.
+
+        Delegates to ``flaxside.memory_report`` with the shapes of the current variables
+        and of the tensor arguments (every floating one is differentiated).
+
+        Returns:
+            A ``flaxside.MemoryReport``; ``print`` it for a table.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> layer = FlaxModule(nn.Dense(3), example_args=(torch.zeros(2, 4),))
+            >>> layer.memory_report(torch.zeros(2, 4)).param_bytes
+            60
+        """
+        def shape(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return jax.ShapeDtypeStruct(tuple(t.shape), bridge.numpy_dtype(t.dtype))
+
+        args, kwargs = jtu.tree_map(shape, (example_args, example_kwargs))
+        if self._adapter.kind == "nnx":  # the module carries its state; only shapes matter
+            return flaxside.memory_report(self.flax_module, *args, **kwargs)
+        variables = jtu.tree_unflatten(self._var_treedef, map(shape, current_tensors(self._refs)))
+        return flaxside.memory_report(self.flax_module, *args, variables=variables, **kwargs)
 
     # -- the call -----------------------------------------------------------------------
     def _make_apply(self, training: bool):

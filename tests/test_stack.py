@@ -1,0 +1,425 @@
+"""remat_stack (Linen and NNX): values and gradients, layout, policies, memory, errors."""
+
+import functools
+import math
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import flaxside
+from flaxside._lengths import candidate_lengths, factorizations, pick_lengths
+from tests.twins import (
+    NnxResidualMLPBlock,
+    RematScanStack,
+    ResidualMLPBlock,
+    ScanRematStack,
+    ScanStack,
+    torch_stack_from_flax,
+)
+from torchside import FlaxModule
+
+jtu = jax.tree_util
+W, B = 8, 4
+LENGTHS = [None, (2, 4), (2, 2, 2)]  # None is one level, (8,)
+LENGTH_IDS = ["one_level", "two_levels", "three_levels"]
+
+
+def _torch(tree):
+    return jtu.tree_map(lambda a: torch.from_numpy(np.array(a)), tree)
+
+
+def _assert_close(actual, expected, **kw):
+    torch.testing.assert_close(_torch(actual), _torch(expected), **kw)
+
+
+def _flat_layers(stacked, depth: int):
+    """Per-layer parameter trees from leaves whose leading axes multiply to ``depth``."""
+    def flat(a):
+        lead = next(k for k in range(a.ndim + 1) if math.prod(a.shape[:k]) == depth)
+        return a.reshape((depth,) + a.shape[lead:])
+
+    flat_tree = jtu.tree_map(flat, stacked)
+    return [jtu.tree_map(lambda a, i=i: a[i], flat_tree) for i in range(depth)]
+
+
+def _unrolled_linen(block: nn.Module, depth: int):
+    def apply(params, x):
+        for p in _flat_layers(params, depth):
+            x = block.apply({"params": p}, x)
+        return x
+
+    return apply
+
+
+def _vjp(fn, params, x, ct):
+    out, pull = jax.vjp(fn, params, x)
+    return out, pull(ct)
+
+
+def _jit_vjp(fn):
+    return jax.jit(lambda p, x, ct: _vjp(fn, p, x, ct))
+
+
+def _data(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(B, W)), dtype)
+    ct = jnp.asarray(rng.normal(size=(B, W)), dtype)
+    return x, ct
+
+
+def _relayout(tree, lead):
+    """Stacked leaves with leading axis ``(depth,)`` reshaped to leading axes ``lead``."""
+    return jtu.tree_map(lambda a: a.reshape(tuple(lead) + a.shape[1:]), tree)
+
+
+@functools.lru_cache
+def _linen_reference(depth: int, seed: int):
+    """Float64 parameters (leading axis depth), data, and the unrolled layers' vjp."""
+    with jax.enable_x64(True):
+        x, ct = _data(jnp.float64, seed)
+        stack = flaxside.remat_stack(ResidualMLPBlock, depth, width=W, dtype=jnp.float64)
+        params = stack.init(jax.random.key(seed), x)["params"]
+        ref = _jit_vjp(_unrolled_linen(ResidualMLPBlock(W, jnp.float64), depth))
+        return params, x, ct, ref(params, x, ct)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=LENGTH_IDS)
+def test_linen_matches_unrolled_layers(lengths):
+    params, x, ct, (ref_out, (ref_grads, ref_gx)) = _linen_reference(8, 0)
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(ResidualMLPBlock, 8, lengths=lengths, width=W,
+                                     dtype=jnp.float64)
+        lead = lengths or (8,)
+        out, (grads, gx) = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(
+            _relayout(params, lead), x, ct)
+    _assert_close((out, grads, gx), (ref_out, _relayout(ref_grads, lead), ref_gx))
+
+
+@pytest.mark.parametrize(
+    "lengths, flax_stack",
+    [((8,), ScanRematStack(W, 8, jnp.float64)), ((2, 4), RematScanStack(W, (2, 4), jnp.float64))],
+    ids=["scan_remat", "remat_scan"],
+)
+def test_layout_matches_flax_lifts_and_so_do_their_gradients(lengths, flax_stack):
+    """Same parameter names and shapes as Flax's lifts; they match the unrolled reference too."""
+    params, x, ct, (ref_out, (ref_grads, ref_gx)) = _linen_reference(8, 0)
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(ResidualMLPBlock, 8, lengths=lengths, width=W,
+                                     dtype=jnp.float64)
+        ours = jax.eval_shape(stack.init, jax.random.key(0), x)["params"]
+        flax_params = jax.eval_shape(flax_stack.init, jax.random.key(0), x)["params"]["stack"]
+        assert jtu.tree_map(jnp.shape, ours) == jtu.tree_map(jnp.shape, flax_params)
+        out, (grads, gx) = _jit_vjp(lambda p, x: flax_stack.apply({"params": {"stack": p}}, x))(
+            _relayout(params, lengths), x, ct)
+    _assert_close((out, grads, gx), (ref_out, _relayout(ref_grads, lengths), ref_gx))
+
+
+@pytest.mark.parametrize("policy", [*flaxside.policy_names(), "callable"])
+def test_every_policy_gives_the_gradients_of_no_remat(policy):
+    if policy == "callable":
+        policy = jax.checkpoint_policies.save_only_these_names("nothing_named")
+    params, x, ct, want = _linen_reference(8, 0)
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(ResidualMLPBlock, 8, lengths=(2, 4), policy=policy,
+                                     width=W, dtype=jnp.float64)
+        out, (grads, gx) = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(
+            _relayout(params, (2, 4)), x, ct)
+    _assert_close((out, (grads, gx)), (want[0], (_relayout(want[1][0], (2, 4)), want[1][1])))
+
+
+class _Noisy(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1])(nn.Dropout(0.5, deterministic=False)(x))
+
+
+def _stream_key(seed):
+    """The key a top-level module's first make_rng('dropout') yields for key(seed)."""
+
+    class Probe(nn.Module):
+        @nn.compact
+        def __call__(self):
+            return jax.random.key_data(self.make_rng("dropout"))
+
+    return jax.random.wrap_key_data(Probe().apply({}, rngs={"dropout": jax.random.key(seed)}))
+
+
+def test_instance_block_and_rng_streams():
+    """An unbound instance works; layer i draws dropout from fold_in(make_rng, i)."""
+    x, ct = _data(jnp.float32)
+    stack = flaxside.remat_stack(_Noisy(), 6, lengths=(2, 3))
+    variables = jax.jit(stack.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                    x)
+
+    def run(p, x, seed):
+        return stack.apply({"params": p}, x, rngs={"dropout": jax.random.key(seed)})
+
+    def unrolled(p, x):
+        for i, layer_p in enumerate(_flat_layers(p, 6)):
+            rng = jax.random.fold_in(_stream_key(2), i)
+            x = _Noisy().apply({"params": layer_p}, x, rngs={"dropout": rng})
+        return x
+
+    got = _jit_vjp(lambda p, x: run(p, x, 2))(variables["params"], x, ct)
+    _assert_close(got, _jit_vjp(unrolled)(variables["params"], x, ct))
+    assert not np.allclose(got[0], jax.jit(run, static_argnums=2)(variables["params"], x, 3))
+
+
+def _carry_bytes():
+    return B * W * 4
+
+
+@pytest.mark.parametrize("lengths", [(16,), (2, 2, 4)], ids=["one_level", "three_levels"])
+def test_forward_holds_only_the_outer_carries(lengths):
+    """Two levels: see test_held_memory_and_program_size_per_depth."""
+    x = jax.ShapeDtypeStruct((B, W), jnp.float32)
+    report = flaxside.memory_report(flaxside.remat_stack(ResidualMLPBlock, 16, lengths=lengths,
+                                                         width=W), x)
+    assert report.held_bytes == lengths[0] * _carry_bytes()
+
+
+def test_innermost_layers_are_checkpointed_too():
+    """Inside the backward of an outer step, layers keep their input only, not internals.
+
+    ``nn.remat_scan(Block)`` keeps the internals of its innermost loop's layers; saving
+    everything here is what that would cost.
+    """
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+
+    def backward_temp(policy):
+        stack = flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(4, 4), width=16,
+                                     policy=policy)
+        return flaxside.memory_report(stack, x).backward_temp_bytes
+
+    assert backward_temp(None) < backward_temp("everything_saveable")
+
+
+def _program_lines(module, x) -> int:
+    """Lines of the lowered (StableHLO) training step: what XLA has to compile."""
+    variables = jax.eval_shape(module.init, jax.random.key(0), x)
+    grad = jax.jit(jax.grad(lambda v, x: jnp.vdot(module.apply(v, x), x), argnums=(0, 1)))
+    return len(grad.lower(variables, x).as_text().splitlines())
+
+
+def test_held_memory_and_program_size_per_depth():
+    x = jax.ShapeDtypeStruct((B, W), jnp.float32)
+    held, scan_held, lines = {}, {}, {}
+    for depth in (16, 64, 256):
+        a = math.isqrt(depth)
+        stack = flaxside.remat_stack(ResidualMLPBlock, depth, lengths=(a, a), width=W)
+        report = flaxside.memory_report(stack, x)
+        held[depth] = report.held_bytes
+        assert held[depth] == a * _carry_bytes()  # the outer level keeps its a carries
+        scan_held[depth] = flaxside.memory_report(ScanStack(W, depth), x).held_bytes
+        lines[depth] = _program_lines(stack, x)
+        print(f"depth {depth}: held {held[depth]} B (scan without remat {scan_held[depth]} B), "
+              f"compile {report.compile_seconds:.2f} s, {lines[depth]} lines of StableHLO")
+    for small, big in ((16, 64), (64, 256)):
+        assert held[big] <= 2.5 * held[small]
+        assert scan_held[big] >= 3.5 * scan_held[small]
+    # Compile time follows program size, which must not grow with depth (timings are not
+    # asserted here: see examples/stack_speed.py and the printed compile seconds).
+    assert lines[256] <= 1.1 * lines[16]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(lengths=(3, 4)), ValueError, r"multiply to 12, but depth is 16"),
+        (dict(lengths=(4, 0, 4)), ValueError, r"at least 1"),
+        (dict(lengths=(4.0, 4)), TypeError, r"tuple of ints"),
+        (dict(lengths="deep"), ValueError, r"'auto', None or a tuple"),
+        (dict(lengths=(4, 4), memory_budget=10**6), ValueError, r"only used with lengths='auto'"),
+        (dict(policy="dots_saveable_typo"), ValueError, r"expected one of \[.*'dots_saveable'"),
+        (dict(policy="save_only_these_names"), ValueError, r"factory that needs arguments"),
+        (dict(policy=3), TypeError, r"'policy' is a int"),
+    ],
+    ids=["product", "zero", "float", "unknown_string", "budget_without_auto", "policy_name",
+         "policy_factory", "policy_type"],
+)
+def test_invalid_options_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        flaxside.remat_stack(ResidualMLPBlock, 16, width=W, **kwargs)
+
+
+def test_invalid_block_and_stored_params_raise():
+    with pytest.raises(TypeError, match="argument 'block'"):
+        flaxside.remat_stack(lambda x: x, 4)
+    with pytest.raises(ValueError, match="rngs= is needed"):
+        flaxside.remat_stack(NnxResidualMLPBlock, 4, width=W)
+    x, _ = _data(jnp.float32)
+    params = jax.eval_shape(flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(2, 8),
+                                                 width=W).init, jax.random.key(0), x)
+    other = flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(4, 4), width=W)
+    with pytest.raises(flax.errors.ScopeParamShapeError, match=r"\(4, 4, 16\).*\(2, 8, 16\)"):
+        jax.eval_shape(other.apply, params, x)
+
+
+# -- NNX ----------------------------------------------------------------------------------
+@functools.lru_cache
+def _nnx_reference(depth: int, seed: int):
+    """Float64 NNX parameters (leading axis depth), data, and the vjp of blocks in a loop."""
+    dtype = jnp.float64
+    with jax.enable_x64(True):
+        x, ct = _data(dtype, seed)
+        stack = flaxside.remat_stack(NnxResidualMLPBlock, depth, rngs=nnx.Rngs(seed), width=W,
+                                     dtype=dtype)
+        params = nnx.state(stack.layers, nnx.Param)
+
+        def unrolled(params, x):
+            for p in _flat_layers(params, depth):
+                layer = NnxResidualMLPBlock(W, dtype=dtype, rngs=nnx.Rngs(0))
+                nnx.update(layer, p)
+                x = layer(x)
+            return x
+
+        return params, x, ct, _jit_vjp(unrolled)(params, x, ct)
+
+
+def _nnx_check(stack, lead, reference):
+    params, x, ct, (ref_out, (ref_grads, ref_gx)) = reference
+    nnx.update(stack.layers, _relayout(params, lead))
+    graphdef, state = nnx.split(stack, nnx.Param)
+    out, (grads, gx) = _jit_vjp(lambda p, x: nnx.merge(graphdef, p)(x))(state, x, ct)
+    _assert_close((out, grads["layers"], gx), (ref_out, _relayout(ref_grads, lead), ref_gx))
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=LENGTH_IDS)
+def test_nnx_matches_unrolled_layers(lengths):
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(NnxResidualMLPBlock, 8, lengths=lengths, rngs=nnx.Rngs(3),
+                                     width=W, dtype=jnp.float64)
+        lead = lengths or (8,)
+        kernel = stack.layers.fc1.kernel
+        assert isinstance(kernel, nnx.Param) and kernel.shape == (*lead, W, 2 * W)
+        _nnx_check(stack, lead, _nnx_reference(8, 2))
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "everything_saveable"])
+def test_nnx_policies(policy):
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(NnxResidualMLPBlock, 8, lengths=(2, 4), policy=policy,
+                                     rngs=nnx.Rngs(0), width=W, dtype=jnp.float64)
+        _nnx_check(stack, (2, 4), _nnx_reference(8, 2))
+
+
+def test_nnx_auto_lengths():
+    with jax.enable_x64(True):
+        stack = flaxside.remat_stack(NnxResidualMLPBlock, 4, lengths="auto", rngs=nnx.Rngs(3),
+                                     width=W, dtype=jnp.float64)
+        assert stack.layers.fc1.kernel.shape == (4, W, 2 * W)
+        reference = _nnx_reference(4, 2)
+        assert stack.choose_lengths(reference[1]).lengths in candidate_lengths(4)
+        _nnx_check(stack, (4,), reference)
+
+
+class _Counter(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        count = self.variable("stats", "count", jnp.zeros, ())
+        count.value += 1
+        return nn.Dense(x.shape[-1])(x)
+
+
+class _NnxDropout(nnx.Module):
+    def __init__(self, width, *, rngs):
+        self.fc = nnx.Linear(width, width, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.fc(x))
+
+
+def test_state_besides_params_is_refused():
+    x, _ = _data(jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"collections \['stats'\] besides 'params'"):
+        jax.eval_shape(flaxside.remat_stack(_Counter, 4).init, jax.random.key(0), x)
+    with pytest.raises(NotImplementedError, match=r"\['drop.rngs.count', 'drop.rngs.key'\]"):
+        flaxside.remat_stack(_NnxDropout, 4, rngs=nnx.Rngs(0), width=W)
+
+
+# -- lengths="auto" -----------------------------------------------------------------------
+def test_factorizations():
+    assert factorizations(16, 2) == [(2, 8), (4, 4), (8, 2)]
+    assert sorted(factorizations(8, 3)) == [(2, 2, 2)]
+    assert all(math.prod(f) == 1024 for f in candidate_lengths(1024))
+    assert candidate_lengths(16)[:4] == [(16,), (4, 4), (2, 8), (8, 2)]
+    assert candidate_lengths(7) == [(7,)]
+
+
+def test_auto_measures_candidates_and_picks_the_least_memory():
+    x, ct = _data(jnp.float32, seed=4)
+    stack = flaxside.remat_stack(ResidualMLPBlock, 4, lengths="auto", width=W)
+    choice = stack.choose_lengths(x)
+    assert [row[0] for row in choice.table] == candidate_lengths(4) == [(4,), (2, 2)]
+    cost = {f: held + temp for f, held, temp, _ in choice.table}
+    assert cost[choice.lengths] == min(cost.values())
+    assert str(choice.lengths) in choice.reason and "<- chosen" in str(choice)
+    # the module uses it; parameters keep one leading axis of depth
+    params = jax.jit(stack.init)(jax.random.key(0), x)["params"]
+    assert params["Dense_0"]["kernel"].shape == (4, W, 2 * W)
+    got = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(params, x, ct)
+    _assert_close(got, _jit_vjp(_unrolled_linen(ResidualMLPBlock(W), 4))(params, x, ct))
+
+
+def test_budget_picks_the_fewest_levels_that_fit():
+    table = [((8,), 800, 100, 0.1), ((2, 4), 200, 150, 0.1), ((4, 2), 400, 120, 0.1),
+             ((2, 2, 2), 200, 100, 0.1)]
+    assert pick_lengths(table, 8).lengths == (2, 2, 2)
+    assert pick_lengths(table, 8, memory_budget=900).lengths == (8,)
+    assert pick_lengths(table, 8, memory_budget=899).lengths == (2, 4)
+    assert pick_lengths(table, 8, memory_budget=300).lengths == (2, 2, 2)
+    assert "fit memory_budget" in pick_lengths(table, 8, memory_budget=899).reason
+    with pytest.raises(ValueError, match="no nesting of depth 8 fits memory_budget=299 "):
+        pick_lengths(table, 8, memory_budget=299)
+
+
+def test_auto_with_budget_end_to_end():
+    """A budget reuses the measured table (no new compiles) and picks the fewest levels."""
+    x, _ = _data(jnp.float32)
+    free = flaxside.remat_stack(ResidualMLPBlock, 4, lengths="auto", width=W).choose_lengths(x)
+    cost = {f: held + temp for f, held, temp, _ in free.table}
+    stack = flaxside.remat_stack(ResidualMLPBlock, 4, lengths="auto", width=W,
+                                 memory_budget=max(cost.values()))
+    choice = stack.choose_lengths(x)
+    assert choice.lengths == (4,) and choice.table == free.table
+    params = jax.jit(stack.init)(jax.random.key(0), x)
+    _assert_close(jax.jit(stack.apply)(params, x),
+                  jax.jit(_unrolled_linen(ResidualMLPBlock(W), 4))(params["params"], x))
+
+
+# -- through torch ------------------------------------------------------------------------
+def test_flax_module_of_a_stack_matches_the_torch_twin():
+    """FlaxModule(remat_stack) trains like the torch blocks (under torch's checkpoint)."""
+    stack = flaxside.remat_stack(ResidualMLPBlock, 6, lengths=(2, 3), width=W)
+    variables = jax.jit(stack.init)(jax.random.key(0), jnp.zeros((B, W)))
+    layer = FlaxModule(stack, variables=variables)
+    blocks = torch_stack_from_flax(variables["params"], W)
+    x = torch.randn(B, W, generator=torch.Generator().manual_seed(0))
+    ct = torch.randn(B, W, generator=torch.Generator().manual_seed(1))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = layer(x1)
+    y2 = x2
+    for block in blocks:
+        y2 = torch.utils.checkpoint.checkpoint(block, y2, use_reentrant=False)
+    y1.backward(ct)
+    y2.backward(ct)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    twin = {
+        "Dense_0.kernel": lambda b: b.fc1.weight.grad.T,
+        "Dense_0.bias": lambda b: b.fc1.bias.grad,
+        "Dense_1.kernel": lambda b: b.fc2.weight.grad.T,
+        "Dense_1.bias": lambda b: b.fc2.bias.grad,
+        "LayerNorm_0.scale": lambda b: b.norm.weight.grad,
+        "LayerNorm_0.bias": lambda b: b.norm.bias.grad,
+    }
+    for name, p in layer.named_parameters():
+        per_layer = torch.stack([twin[name.removeprefix("params.")](b) for b in blocks])
+        torch.testing.assert_close(p.grad, per_layer.reshape(p.shape), msg=name)
