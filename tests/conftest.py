@@ -1,6 +1,10 @@
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Inductor's on-disk caches key custom ops by name, not by their Python implementation: a
+# cache left by an older flaxtorch would replay stale compiled graphs. One per session.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flaxtorch-inductor-"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -17,7 +17,8 @@ EXAMPLES = ROOT / "examples"
 TINY_ARGS = {
     "quickstart.py": ["--steps", "5"],
     "gpu_check.py": [],
-    "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4", "--rounds", "1"],  # without a GPU it says so and exits 0
+    "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4",
+                       "--rounds", "1"],  # without a GPU it says so and exits 0
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
     "benchmark.py": ["--smoke", "--out", "{out}"],
 }

@@ -132,10 +132,7 @@ def forward_op(sid: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     entry = _SPECS[sid].entry(leaves)
     if not entry.program.diff_index:
         return entry.run(leaves)
-    outs, res = entry.program.forward_with_residuals(entry.arrays(leaves, entry.np_dtypes))
-    if not entry.traced:
-        entry.finish_trace()
-    return entry.tensors(list(outs) + list(res))
+    return entry.forward(leaves)
 
 
 @forward_op.register_fake
@@ -143,7 +140,7 @@ def _forward_fake(sid, leaves):
     entry = _SPECS[sid].entry(leaves)
     program = entry.program
     specs = list(program.out_specs)
-    if program.diff_index:
+    if program.diff_index and not entry.recompute:
         if not entry.traced:
             jax.eval_shape(program._forward_res, [s.aval for s in program.specs])
             entry.finish_trace()
@@ -156,17 +153,7 @@ def _forward_fake(sid, leaves):
 def backward_op(eid: int, saved: list[torch.Tensor], cots: list[torch.Tensor]) \
         -> list[torch.Tensor]:
     """Runs the compiled backward for the entry ``eid``."""
-    entry = _ENTRIES[eid]
-    program = entry.program
-    a = len(program.saved_input_index)
-    b = a + len(program.saved_output_index)
-    result = program.backward(
-        entry.arrays(saved[:a], entry.saved_in_dtypes),
-        entry.arrays(saved[a:b], entry.saved_out_dtypes),
-        entry.arrays(saved[b:], entry.res_dtypes),
-        entry.arrays(cots, entry.cot_dtypes),
-    )
-    return entry.tensors(result)
+    return _ENTRIES[eid].backward(saved, cots)
 
 
 @backward_op.register_fake
@@ -180,15 +167,10 @@ def _backward_fake(eid, saved, cots):
 def _setup_context(ctx, inputs, output):
     sid, leaves = inputs
     entry = _SPECS[sid].entry(leaves)
-    program = entry.program
     n = entry.n_results
     outs, res = output[:n], output[n:]
     ctx.mark_non_differentiable(*(outs[k] for k in entry.nondiff_out), *res)
-    ctx.save_for_backward(
-        *(leaves[j] for j in program.saved_input_index),
-        *(outs[k] for k in program.saved_output_index),
-        *res,
-    )
+    ctx.save_for_backward(*entry.to_save(leaves, outs, res))
     ctx.eid = entry.compile_id
     ctx.n_leaves = len(leaves)
 
@@ -196,11 +178,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     entry = _ENTRIES[ctx.eid]
     program = entry.program
-    cots = []
-    for k in program.diff_out_index:
-        g = grads[k]
-        cots.append(torch.zeros(program.out_specs[k].shape, dtype=_torch_dtype(
-            program.out_specs[k].dtype), device=entry.device) if g is None else g.contiguous())
+    cots = [entry.zeros(k) if grads[k] is None else grads[k].contiguous()
+            for k in program.diff_out_index]
     computed = backward_op(ctx.eid, list(ctx.saved_tensors), cots)
     result = [None] * ctx.n_leaves
     for i, g in zip(program.diff_index, computed, strict=True):

@@ -73,6 +73,44 @@ class Entry:
         spec = self.program.out_specs[k]
         return torch.zeros(spec.shape, dtype=bridge.torch_dtype(spec.dtype), device=self.device)
 
+    def forward(self, leaves) -> list[torch.Tensor]:
+        """Forward for autograd: outputs, then residuals in ``"save"`` mode."""
+        arrays = self.arrays(leaves, self.np_dtypes)
+        if self.recompute:
+            return self.tensors(self.program.forward(arrays))
+        outs, res = self.program.forward_with_residuals(arrays)
+        if not self.traced:
+            self.finish_trace()
+        return self.tensors(list(outs) + list(res))
+
+    def to_save(self, leaves, outs, res) -> list[torch.Tensor]:
+        """What the backward needs, for ``ctx.save_for_backward``."""
+        if self.recompute:
+            # State the owner writes back in place after this forward (batch statistics,
+            # counters) is saved as it was, so the recompute sees the forward's values.
+            targets = set(self.aux_targets)
+            return [t.clone() if i in targets else t for i, t in enumerate(leaves)]
+        p = self.program
+        return ([leaves[j] for j in p.saved_input_index]
+                + [outs[k] for k in p.saved_output_index] + list(res))
+
+    def backward(self, saved, cots) -> list[torch.Tensor]:
+        """Gradients of the differentiated leaves from what ``to_save`` kept."""
+        program = self.program
+        cots = self.arrays(cots, self.cot_dtypes)
+        if self.recompute:
+            result = program.backward_recompute(self.arrays(saved, self.np_dtypes), cots)
+        else:
+            a = len(program.saved_input_index)
+            b = a + len(program.saved_output_index)
+            result = program.backward(
+                self.arrays(saved[:a], self.saved_in_dtypes),
+                self.arrays(saved[a:b], self.saved_out_dtypes),
+                self.arrays(saved[b:], self.res_dtypes),
+                cots,
+            )
+        return self.tensors(result)
+
     def run(self, tensors) -> list[torch.Tensor]:
         """Forward without autograd: nothing is computed or held for a backward."""
         return self.tensors(self.program.forward(self.arrays(tensors, self.np_dtypes)))
@@ -105,35 +143,17 @@ class BridgeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(entry: Entry, *leaves: torch.Tensor):
-        arrays = entry.arrays(leaves, entry.np_dtypes)
-        if entry.recompute:
-            return tuple(entry.tensors(entry.program.forward(arrays)))
-        outs, res = entry.program.forward_with_residuals(arrays)
-        if not entry.traced:
-            entry.finish_trace()
-        return tuple(entry.tensors(list(outs) + list(res)))
+        return tuple(entry.forward(leaves))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         entry, leaves = inputs[0], inputs[1:]
-        program = entry.program
         outs, res = output[: entry.n_results], output[entry.n_results :]
         ctx.mark_non_differentiable(*(outs[k] for k in entry.nondiff_out), *res)
         # Residuals and unused outputs get no gradient. Materialised, each would be a zero
         # tensor allocated per backward: 896 of them on a 64-block unrolled stack (~5 ms).
         ctx.set_materialize_grads(False)
-        if entry.recompute:
-            # State the owner writes back in place after this forward (batch statistics,
-            # counters) is saved as it was, so the recompute sees the forward's values.
-            targets = set(entry.aux_targets)
-            ctx.save_for_backward(*(t.clone() if i in targets else t
-                                    for i, t in enumerate(leaves)))
-        else:
-            ctx.save_for_backward(
-                *(leaves[j] for j in program.saved_input_index),
-                *(outs[k] for k in program.saved_output_index),
-                *res,
-            )
+        ctx.save_for_backward(*entry.to_save(leaves, outs, res))
         ctx.entry = entry
         ctx.n_leaves = len(leaves)
 
@@ -162,24 +182,11 @@ class BridgeFunction(torch.autograd.Function):
 
 def _backward(ctx, saved, grads) -> tuple:
     entry = ctx.entry
-    program = entry.program
-    cots = entry.arrays(
-        [grads[k] if grads[k] is not None else entry.zeros(k) for k in program.diff_out_index],
-        entry.cot_dtypes,
-    )
-    if entry.recompute:
-        result = program.backward_recompute(entry.arrays(saved, entry.np_dtypes), cots)
-    else:
-        a = len(program.saved_input_index)
-        b = a + len(program.saved_output_index)
-        result = program.backward(
-            entry.arrays(saved[:a], entry.saved_in_dtypes),
-            entry.arrays(saved[a:b], entry.saved_out_dtypes),
-            entry.arrays(saved[b:], entry.res_dtypes),
-            cots,
-        )
+    cots = [grads[k] if grads[k] is not None else entry.zeros(k)
+            for k in entry.program.diff_out_index]
+    result = entry.backward(saved, cots)
     out = [None] * (1 + ctx.n_leaves)
-    for slot, g in zip(entry.grad_slots, entry.tensors(result), strict=True):
+    for slot, g in zip(entry.grad_slots, result, strict=True):
         out[slot] = g
     return tuple(out)
 
