@@ -4,6 +4,8 @@ Run by tests/test_ddp.py as ``python tests/ddp_worker.py RANK WORLD PORT OUT``; 
 1 it trains on the full batch without torch.distributed (the reference).
 """
 
+import datetime
+import faulthandler
 import os
 import sys
 
@@ -35,10 +37,12 @@ def build():
 
 
 def main(rank: int, world: int, port: int, out: str) -> None:
+    # A stalled rank prints where every thread is and exits, instead of hanging the test.
+    faulthandler.dump_traceback_later(240, exit=True)
     model = build()
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
         model = torch.nn.parallel.DistributedDataParallel(model)
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -54,6 +58,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save(state, out)
     if world > 1:
+        dist.barrier()  # neither rank leaves while the other still talks to it
         dist.destroy_process_group()
 
 
