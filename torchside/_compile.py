@@ -122,10 +122,6 @@ def rebuild(recipe, outs):
     return dict(zip(recipe[1], outs, strict=True))
 
 
-def _torch_dtype(np_dtype):
-    return bridge.torch_dtype(np_dtype)
-
-
 @torch.library.custom_op("flaxtorch::forward", mutates_args=())
 def forward_op(sid: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Runs the compiled forward (with residuals when a gradient is needed)."""
@@ -145,7 +141,7 @@ def _forward_fake(sid, leaves):
             jax.eval_shape(program._forward_res, [s.aval for s in program.specs])
             entry.finish_trace()
         specs += list(program.residual_specs)
-    return [torch.empty(s.shape, dtype=_torch_dtype(s.dtype), device=entry.device)
+    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=entry.device)
             for s in specs]
 
 
@@ -160,7 +156,7 @@ def backward_op(eid: int, saved: list[torch.Tensor], cots: list[torch.Tensor]) \
 def _backward_fake(eid, saved, cots):
     entry = _ENTRIES[eid]
     return [torch.empty(entry.program.specs[i].shape,
-                        dtype=_torch_dtype(entry.program.specs[i].dtype), device=entry.device)
+                        dtype=bridge.torch_dtype(entry.program.specs[i].dtype), device=entry.device)
             for i in entry.program.diff_index]
 
 
