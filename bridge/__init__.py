@@ -9,6 +9,7 @@ from bridge._devices import torch_device as torch_device  # noqa: E402
 from bridge._dtypes import numpy_dtype as numpy_dtype  # noqa: E402
 from bridge._dtypes import torch_dtype as torch_dtype  # noqa: E402
 from bridge._exchange import ALIGNMENT as ALIGNMENT  # noqa: E402
+from bridge._exchange import HeldArrays as HeldArrays  # noqa: E402
 from bridge._exchange import cpu_tensor as cpu_tensor  # noqa: E402
 from bridge._exchange import is_zero_copy as is_zero_copy  # noqa: E402
 from bridge._exchange import numpy_view as numpy_view  # noqa: E402

@@ -196,6 +196,6 @@ class Caller:
                 )
                 e.add_note(f"{self.where} was called with {shapes or 'no tensors'}.")
             raise
-        entry = Entry(program, np_dtypes, device, self.residuals)
+        entry = Entry(program, np_dtypes, device, self.residuals, n_vars)
         entry.aux_targets = tuple(aux_targets)
         return entry

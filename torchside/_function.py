@@ -20,13 +20,17 @@ class Entry:
         device: the torch device all leaves live on.
         residuals: ``"save"`` keeps what the Flax remat policy keeps; ``"recompute"`` keeps
             only the inputs and reruns the forward inside the backward.
+        n_vars: how many leading leaves are the owner's parameters and buffers: on CPU
+            their JAX arrays are made once and reused (``bridge.HeldArrays``).
     """
 
     __slots__ = ("program", "np_dtypes", "device", "cpu", "recompute", "n_results", "n_out",
                  "nondiff_out", "res_dtypes", "saved_in_dtypes", "saved_out_dtypes",
-                 "cot_dtypes", "grad_slots", "traced", "aux_targets", "compile_id")
+                 "cot_dtypes", "grad_slots", "traced", "aux_targets", "compile_id", "n_vars",
+                 "held", "saved_var_slots")
 
-    def __init__(self, program: Program, np_dtypes, device: torch.device, residuals="save"):
+    def __init__(self, program: Program, np_dtypes, device: torch.device, residuals="save",
+                 n_vars: int = 0):
         self.program = program
         self.np_dtypes = tuple(np_dtypes)
         self.device = device
@@ -39,6 +43,8 @@ class Entry:
         self.grad_slots = tuple(1 + i for i in program.diff_index)  # +1: the Entry argument
         self.traced = False
         self.aux_targets = ()  # variable leaves the aux outputs replace (set by the Caller)
+        self.n_vars = n_vars if self.cpu else 0
+        self.held = bridge.HeldArrays(self.n_vars, bridge.jax_device(device)) if self.cpu else None
 
     def finish_trace(self) -> None:
         """Record what the first residual trace fixed (dtypes of what the backward gets)."""
@@ -46,6 +52,7 @@ class Entry:
         self.saved_in_dtypes = tuple(self.np_dtypes[j] for j in p.saved_input_index)
         self.saved_out_dtypes = tuple(p.out_specs[k].dtype for k in p.saved_output_index)
         self.res_dtypes = tuple(s.dtype for s in p.residual_specs)
+        self.saved_var_slots = tuple(j for j in p.saved_input_index if j < self.n_vars)
         self.traced = True
 
     # -- conversions on the per-call path ----------------------------------------------
@@ -61,6 +68,35 @@ class Entry:
                 raise _under_torch_func(self.program.name) from e
             raise
 
+    def leaf_arrays(self, leaves, keep: bool = True) -> list:
+        """Arrays for the call's leaves: held ones for the variables on CPU, views for the rest.
+
+        ``keep=False`` (backward) reuses held arrays but holds nothing new: saved-tensor
+        hooks may hand back temporary copies.
+        """
+        n = self.n_vars
+        if not n:
+            return self.arrays(leaves, self.np_dtypes)
+        try:
+            get = self.held.get
+            dtypes = self.np_dtypes
+            return ([get(i, leaves[i], dtypes[i], keep) for i in range(n)]
+                    + self.arrays(leaves[n:], dtypes[n:]))
+        except Exception as e:
+            if any(_functorch_wrapped(t) for t in leaves):
+                raise _under_torch_func(self.program.name) from e
+            raise
+
+    def saved_arrays(self, saved) -> list:
+        """Arrays for the saved input leaves (``program.saved_input_index``) in the backward."""
+        if not self.saved_var_slots:
+            return self.arrays(saved, self.saved_in_dtypes)
+        get = self.held.get
+        n = self.n_vars
+        return [get(j, t, d, False) if j < n else bridge.numpy_view(t, d)
+                for j, t, d in zip(self.program.saved_input_index, saved, self.saved_in_dtypes,
+                                   strict=True)]
+
     def tensors(self, arrays) -> list[torch.Tensor]:
         """Program results -> torch tensors, after waiting for JAX to compute them."""
         if self.cpu:
@@ -75,7 +111,7 @@ class Entry:
 
     def forward(self, leaves) -> list[torch.Tensor]:
         """Forward for autograd: outputs, then residuals in ``"save"`` mode."""
-        arrays = self.arrays(leaves, self.np_dtypes)
+        arrays = self.leaf_arrays(leaves)
         if self.recompute:
             return self.tensors(self.program.forward(arrays))
         outs, res = self.program.forward_with_residuals(arrays)
@@ -99,12 +135,12 @@ class Entry:
         program = self.program
         cots = self.arrays(cots, self.cot_dtypes)
         if self.recompute:
-            result = program.backward_recompute(self.arrays(saved, self.np_dtypes), cots)
+            result = program.backward_recompute(self.leaf_arrays(saved, keep=False), cots)
         else:
             a = len(program.saved_input_index)
             b = a + len(program.saved_output_index)
             result = program.backward(
-                self.arrays(saved[:a], self.saved_in_dtypes),
+                self.saved_arrays(saved[:a]),
                 self.arrays(saved[a:b], self.saved_out_dtypes),
                 self.arrays(saved[b:], self.res_dtypes),
                 cots,
@@ -113,7 +149,7 @@ class Entry:
 
     def run(self, tensors) -> list[torch.Tensor]:
         """Forward without autograd: nothing is computed or held for a backward."""
-        return self.tensors(self.program.forward(self.arrays(tensors, self.np_dtypes)))
+        return self.tensors(self.program.forward(self.leaf_arrays(tensors)))
 
 
 def _functorch_wrapped(tensor) -> bool:
