@@ -156,6 +156,7 @@ def print_targets(results: dict) -> None:
         ("TINY sync", "torch", "TINY bridge <= torch eager (JAX CPU dispatch sync)"),
         ("MEDIUM", "pure JAX", "MEDIUM bridge <= pure JAX jit(value_and_grad)"),
         ("DEEP", "pure JAX", "DEEP bridge <= pure JAX jit(value_and_grad)"),
+        ("DEEP nn.remat_scan", "pure JAX", "DEEP (nn.remat_scan) bridge <= pure JAX"),
         ("LEAVES", "pure JAX", "LEAVES bridge <= pure JAX jit(value_and_grad)"),
     ):
         if name in by_name:

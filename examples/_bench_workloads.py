@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import flaxside
+
 # -- Flax -----------------------------------------------------------------------------------
 
 
@@ -86,6 +88,21 @@ class RematScan(nn.Module):
     def __call__(self, x):
         stack = nn.remat_scan(nn.remat(Block), lengths=self.lengths)
         return stack(self.width, name="stack")(x)
+
+
+class RematStack(nn.Module):
+    """``prod(lengths)`` blocks under ``flaxside.remat_stack``: the same parameters (names
+    and shapes) and function as ``RematScan``, with flaxtorch's hand-written nested-scan VJP
+    (pure JAX/Flax, usable without torch)."""
+
+    width: int
+    lengths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        stack = flaxside.remat_stack(Block, math.prod(self.lengths), lengths=self.lengths,
+                                     width=self.width, name="stack")
+        return stack(x)
 
 
 def scan_lengths(depth: int, levels: int) -> tuple[int, ...]:

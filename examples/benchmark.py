@@ -7,9 +7,11 @@ What this shows:
 
     * workloads TINY (2-layer MLP, width 64, batch 8: the fixed cost of one call), MEDIUM
       (16 unrolled residual MLP blocks, width 512, batch 128), DEEP (128 blocks under a
-      2-level remat-scan) and LEAVES (128 unrolled blocks: 768 parameter leaves), each run
-      through ``FlaxModule``, as pure JAX ``jit(value_and_grad)`` (the limit), and as the
-      torch twin eager, with and without per-layer ``torch.utils.checkpoint``;
+      2-level remat-scan: ``flaxside.remat_stack``, and again as Flax's stock
+      ``nn.remat_scan(nn.remat(Block))``) and LEAVES (128 unrolled blocks: 768 parameter
+      leaves), each run through ``FlaxModule``, as pure JAX ``jit(value_and_grad)`` (the
+      limit), and as the torch twin eager, with and without per-layer
+      ``torch.utils.checkpoint``;
     * for depths 16 ... 1024: bytes held for backward, time per call and compile seconds of
       ``nn.scan``, ``nn.scan(nn.remat)``, and ``nn.remat_scan`` with 2 and 3 levels, against
       the torch twin with no checkpoint, per-layer checkpoint and ``checkpoint_sequential``.
@@ -86,6 +88,7 @@ from _bench_report import plot_sweep, print_sweep, print_targets, print_workload
 from _bench_workloads import (  # noqa: E402
     FLAX_VARIANTS,
     RematScan,
+    RematStack,
     TinyMLP,
     Unrolled,
     Workload,
@@ -176,16 +179,16 @@ def workloads(parts: list[str], size: dict) -> list[Workload]:
         w = size["medium_width"]
         out.append(Workload("MEDIUM", Unrolled(w, 16), batch=128, width=w, depth=16))
     if "deep" in parts:
+        # Both stacks have the same parameters and compute the same function; each
+        # contestant runs the same one (pure JAX differentiates flaxside.remat_stack too).
         lengths = scan_lengths(deep_depth, 2)
-        out.append(
-            Workload(
-                "DEEP",
-                RematScan(deep_width, lengths),
-                batch=deep_batch,
-                width=deep_width,
-                depth=deep_depth,
+        for name, module in (
+            ("DEEP", RematStack(deep_width, lengths)),
+            ("DEEP nn.remat_scan", RematScan(deep_width, lengths)),
+        ):
+            out.append(
+                Workload(name, module, batch=deep_batch, width=deep_width, depth=deep_depth)
             )
-        )
     if "leaves" in parts:
         d = size["leaves"]
         out.append(Workload("LEAVES", Unrolled(64, d), batch=16, width=64, depth=d))
