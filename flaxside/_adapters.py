@@ -4,9 +4,10 @@ An adapter turns a Flax module into what the torch side needs and nothing torch-
 
 * ``leaves``: ``(name, value, is_param)`` per variable leaf, in a fixed order;
 * ``treedef``: how those leaves rebuild the module's state;
-* ``make_apply(training, n_keys)``: ``apply(state, *args, **kwargs)`` returning
-  ``(outputs, updates)``, where ``state = (variable leaves tree, raw key data or None)``
-  and ``updates`` are the new values of the leaves at ``mutable_index(training)``.
+* ``make_apply(training)``: ``(apply, targets)``, where ``apply(state, *args, **kwargs)``
+  returns ``(outputs, updates)``, ``state = (variable leaves tree, raw key data or None)``,
+  and ``updates`` are the new values of the leaves at ``targets()``, which is final once
+  ``apply`` has been traced (an NNX forward may assign a Param: found by tracing it).
 
 RNG streams get their keys as raw key data (an integer array) so that the key can cross to
 torch, be saved for the backward, and be drawn from torch's generator.
@@ -132,7 +133,7 @@ class LinenAdapter:
             }
             return out, [by_name.get(n, old[i]) for n, i in zip(names, index, strict=True)]
 
-        return apply
+        return apply, lambda: index
 
     def variables(self, leaves):
         """The Flax variables dict for a list of leaf values."""
@@ -185,20 +186,38 @@ class NNXAdapter:
         )
 
     def mutable_index(self, training: bool) -> tuple[int, ...]:
-        """Every non-Param leaf is written back in training mode; nothing in eval mode."""
+        """Every non-Param leaf is written back in training mode; none in eval mode.
+
+        Params the forward itself assigns are written back too, in both modes; they are
+        known only once the forward is traced (see ``make_apply``).
+        """
         if not training:
             return ()
         return tuple(range(self._n_params, len(self.leaves)))
 
     def make_apply(self, training: bool):
-        """``apply(state, *args, **kwargs) -> (outputs, updates)`` for one mode."""
+        """``(apply, targets)`` for one mode; see the module docstring.
+
+        Besides the non-Param state (training mode), the forward's own Param assignments
+        (``m.kernel[...] = ...``, as in the ``nnx.fori_loop`` docstring) are written back in
+        both modes, as pure NNX would keep them. Which Params a forward assigns is found by
+        identity when it is first traced; later traces copy those Params on entry, so the
+        backward reads the copy and never the torch parameter that is then overwritten.
+        """
         graphdef, key_index = self.graphdef, set(self._key_index)
         stream_keys, streams = self._stream_keys, self.rng_streams
         stream_counts = self._stream_counts
-        write_back = bool(self.mutable_index(training))
+        rest_index = self.mutable_index(training)
+        write_back = bool(rest_index)
+        assigned: list[int] = []  # Param leaves the forward assigns (filled by the first trace)
+        traced = []
 
         def apply(state, *args, **kwargs):
             (params, rest), raw = state
+            p_leaves, p_def = jtu.tree_flatten(params)
+            if assigned:
+                p_leaves = _snapshot(p_leaves, assigned)
+                params = jtu.tree_unflatten(p_def, p_leaves)
             r_leaves, r_def = jtu.tree_flatten(rest)
             if write_back:  # see _snapshot: every non-Param leaf is written back
                 r_leaves = _snapshot(r_leaves, range(len(r_leaves)))
@@ -216,14 +235,31 @@ class NNXAdapter:
             else:
                 model.eval()
             out = model(*args, **kwargs)
-            if not write_back:
-                return out, []
-            _, _, new_rest = nnx.split(model, nnx.Param, ...)
-            new = jtu.tree_leaves(new_rest)
-            return out, [jax.random.key_data(x) if i in key_index else x
-                         for i, x in enumerate(new)]
+            _, new_params, new_rest = nnx.split(model, nnx.Param, ...)
+            new_p = jtu.tree_leaves(new_params)
+            if jtu.tree_structure(new_params) != p_def:
+                raise NotImplementedError(
+                    f"FlaxModule: the NNX module's forward adds or removes nnx.Param "
+                    f"variables ({p_def.num_leaves} before the call, {len(new_p)} after); "
+                    f"torch owns a fixed set of parameters. Create every Param in __init__."
+                )
+            changed = [i for i, (a, b) in enumerate(zip(p_leaves, new_p)) if a is not b]
+            if not traced:
+                traced.append(True)
+                assigned.extend(changed)
+            elif changed != assigned:
+                raise NotImplementedError(
+                    f"FlaxModule: the NNX module's forward assigned the Params at "
+                    f"{changed} in one trace and {assigned} in another; it must assign the "
+                    f"same Params on every call."
+                )
+            updates = [new_p[i] for i in assigned]
+            if write_back:
+                updates = [jax.random.key_data(x) if i in key_index else x
+                           for i, x in enumerate(jtu.tree_leaves(new_rest))] + updates
+            return out, updates
 
-        return apply
+        return apply, lambda: rest_index + tuple(assigned)
 
     def variables(self, leaves):
         """``(params State, rest State)`` for a list of leaf values (keys as raw data)."""

@@ -267,9 +267,7 @@ class ForiLoopModel(nnx.Module):
         return y
 
 
-@covers("nnx.fori_loop", "fwd_fn (static bounds 2..4, the kernel set inside the loop)",
-        note="the output and gradients match; the Param assigned inside the loop is not "
-             "written back to the torch parameter (see the xfail test)")
+@covers("nnx.fori_loop", "fwd_fn (static bounds 2..4, the kernel set inside the loop)")
 def test_fori_loop():
     x = torch.randn(10)
     checked = check_nnx(ForiLoopModel(rngs=nnx.Rngs(0)), (x,))
@@ -277,13 +275,8 @@ def test_fori_loop():
 
 
 @covers("nnx.fori_loop", "a Param assigned inside the loop, written back to the module",
-        result="bridge bug",
-        note="only non-Param state is written back: the torch parameter keeps its old value "
-             "where pure NNX changes it, and no error says so (strict xfail)")
-@pytest.mark.xfail(strict=True, reason=(
-    "bridge gap: FlaxModule writes back only non-Param NNX state; a Param assigned inside "
-    "the forward (fori_loop docstring: m.kernel[...] = ...) changes the module in pure NNX "
-    "but not the torch parameter, and no error says so"))
+        note="Params the forward assigns are written back in train and eval mode, as pure "
+             "NNX keeps them")
 def test_fori_loop_param_assignment_is_written_back():
     model = ForiLoopModel(rngs=nnx.Rngs(0))
     wrapped = FlaxModule(model)

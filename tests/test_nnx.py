@@ -129,3 +129,68 @@ def test_dropout_streams_drawn_from_torch_seed():
 def test_nnx_rejects_linen_only_options():
     with pytest.raises(ValueError, match="train_kwarg"):
         FlaxModule(MLP(nnx.Rngs(0)), train_kwarg="train")
+
+
+class FastWeights(nnx.Module):
+    """Uses its kernel, then assigns it inside the forward (a fast-weights update)."""
+
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.norm(self.fc(x))
+        self.fc.kernel[...] = self.fc.kernel[...] * 0.5 + jnp.tanh(x.T @ y) * 0.1
+        return y * self.fc.kernel[...].sum()
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+def test_param_assigned_in_forward_is_written_back_with_nnx_gradients(train, residuals):
+    model = FastWeights(nnx.Rngs(0))
+    wrapped = FlaxModule(FastWeights(nnx.Rngs(0)), residuals=residuals)
+    wrapped.train(train)
+    model.train() if train else model.eval()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):  # the second and later calls run the copied-Param programs
+        # x requires grad, so the backward needs the kernel as it was before the assignment
+        x = torch.randn(6, 4, generator=gen, dtype=torch.float32).requires_grad_()
+        cot = torch.randn(6, 4, generator=gen, dtype=torch.float32)
+        for p in wrapped.parameters():
+            p.grad = None
+        y = wrapped(x)
+        y.backward(cot)
+
+        def loss(m, xs):
+            return jnp.vdot(m(xs), jnp.asarray(cot.numpy()))
+
+        # nnx.grad also applies the forward's assignment to model, as NNX does
+        grads, grad_x = nnx.grad(loss, argnums=(0, 1))(model, jnp.asarray(x.detach().numpy()))
+        np.testing.assert_allclose(x.grad.numpy(), np.asarray(grad_x), rtol=1e-4, atol=1e-5)
+        params = dict(wrapped.named_parameters())
+        for name in ("fc.kernel", "fc.bias", "norm.scale", "norm.bias"):
+            layer, leaf = name.split(".")
+            value = getattr(getattr(model, layer), leaf)[...]  # after NNX's own assignment
+            np.testing.assert_allclose(params[name].detach().numpy(), np.asarray(value),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{name} at step {step}")
+            np.testing.assert_allclose(params[name].grad.numpy(),
+                                       np.asarray(grads[layer][leaf][...]),
+                                       rtol=1e-4, atol=1e-5, err_msg=f"grad {name} at {step}")
+    np.testing.assert_allclose(wrapped.get_buffer("norm.mean").numpy(),
+                               np.asarray(model.norm.mean[...]), rtol=1e-5, atol=1e-6)
+
+
+class GrowsParams(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        self.extra = nnx.Param(jnp.ones(4))  # a Param made in the forward: torch can't own it
+        return self.fc(x) * self.extra[...]
+
+
+def test_param_created_in_forward_is_refused_with_the_fix():
+    wrapped = FlaxModule(GrowsParams(nnx.Rngs(0)))
+    with pytest.raises(NotImplementedError, match=r"adds or removes nnx.Param.*2 before the "
+                                                  r"call, 3 after.*__init__"):
+        wrapped(torch.randn(2, 4))

@@ -49,7 +49,8 @@ class Caller:
     Args:
         make_apply: ``make_apply(context) -> (apply, has_aux, aux_targets)`` where
             ``aux_targets`` are the indices of the variable leaves that the aux outputs
-            replace after the call, and ``apply(variables,
+            replace after the call (or a callable returning them, read once ``apply`` has
+            been traced), and ``apply(variables,
             *args, **kwargs)`` returns outputs, or ``(outputs, aux)`` with ``has_aux``.
             ``context`` is a hashable value the owner passes per call (train mode, ...).
         where: the owner's name for error messages.
@@ -197,5 +198,5 @@ class Caller:
                 e.add_note(f"{self.where} was called with {shapes or 'no tensors'}.")
             raise
         entry = Entry(program, np_dtypes, device, self.residuals, n_vars)
-        entry.aux_targets = tuple(aux_targets)
+        entry.aux_targets = tuple(aux_targets() if callable(aux_targets) else aux_targets)
         return entry

@@ -164,7 +164,8 @@ class FlaxModule(torch.nn.Module):
     # -- the call -----------------------------------------------------------------------
     def _make_apply(self, training: bool):
         # apply returns (outputs, updates); updates replace these variable leaves
-        return self._adapter.make_apply(training), True, self._adapter.mutable_index(training)
+        apply, targets = self._adapter.make_apply(training)
+        return apply, True, targets
 
     def _call_variables(self) -> list[torch.Tensor]:
         variables = current_tensors(self._refs)
