@@ -243,7 +243,8 @@ class NNXAdapter:
                     f"variables ({p_def.num_leaves} before the call, {len(new_p)} after); "
                     f"torch owns a fixed set of parameters. Create every Param in __init__."
                 )
-            changed = [i for i, (a, b) in enumerate(zip(p_leaves, new_p)) if a is not b]
+            changed = [i for i, (a, b) in enumerate(zip(p_leaves, new_p, strict=True))
+                       if a is not b]
             if not traced:
                 traced.append(True)
                 assigned.extend(changed)

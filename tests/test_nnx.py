@@ -161,8 +161,10 @@ def test_param_assigned_in_forward_is_written_back_with_nnx_gradients(train, res
         y = wrapped(x)
         y.backward(cot)
 
-        def loss(m, xs):
-            return jnp.vdot(m(xs), jnp.asarray(cot.numpy()))
+        cot_jax = jnp.asarray(cot.numpy())
+
+        def loss(m, xs, cot_jax=cot_jax):
+            return jnp.vdot(m(xs), cot_jax)
 
         # nnx.grad also applies the forward's assignment to model, as NNX does
         grads, grad_x = nnx.grad(loss, argnums=(0, 1))(model, jnp.asarray(x.detach().numpy()))
