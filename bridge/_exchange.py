@@ -3,10 +3,11 @@
 On CPU both directions go through numpy views of the same memory: a numpy view of a torch
 tensor passed to a jitted function or ``jax.device_put`` is used in place when it is
 compact and 64-byte aligned, and a JAX buffer is exposed to torch through the array
-interface. Measured here that costs about 1 us per tensor each way, against 23-150 us for
-``jax.dlpack.from_dlpack`` (see README). On CUDA both directions use the ``__dlpack__``
-protocol, which carries the consumer's stream so that neither side reads before the other
-has written.
+interface. Measured here a view passed into jit costs about 2.5 us per tensor (a
+``HeldArrays`` array, reused across calls, 0.6 us) and the way back 1.5-2 us, against
+23-150 us for ``jax.dlpack.from_dlpack`` (see README). On CUDA both directions use the
+``__dlpack__`` protocol, which carries the consumer's stream so that neither side reads
+before the other has written.
 """
 
 from __future__ import annotations
