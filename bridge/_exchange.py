@@ -72,8 +72,9 @@ class HeldArrays:
     """JAX arrays over CPU tensors' memory, one per slot, reused while the memory is the same.
 
     Passing a numpy view to a jitted function makes JAX wrap it in a buffer on every call:
-    about 1 us for the view and 4 us inside jit per tensor here, 5 ms a call for a model
-    with 768 parameter tensors. Parameters keep their memory from call to call (optimizers
+    measured here with 256 arguments, 1.3 us for the view and 1.2 us inside jit per tensor,
+    against 0.6 us for a held array; a call of a model with 768 parameter tensors went from
+    31 to 23 ms. Parameters keep their memory from call to call (optimizers
     and ``load_state_dict`` write in place), so the wrapper is made once per slot and
     reused while the tensor still starts at the same address and is contiguous. The array
     shares the memory, so in-place writes by torch are what the next call reads.
@@ -81,8 +82,8 @@ class HeldArrays:
     A held array keeps its tensor's memory alive: when a slot's tensor is replaced
     (``p.data = ...``), the old memory is released at the next ``get(..., keep=True)`` of
     that slot, by ``clear()``, or with the owner's cache (``FlaxModule`` drops its cache on
-    ``.to()`` and ``load_state_dict``). Tensors JAX cannot share
-    without a copy (unaligned, non-contiguous) are never held: each call gets a fresh view.
+    ``.to()`` and ``load_state_dict``). Tensors JAX cannot share without a copy (unaligned,
+    non-contiguous) and non-leaf tensors are never held: each call gets a fresh view.
     Only for CPU tensors: on CUDA a held array would skip the stream ordering that each
     DLPack import performs.
     """

@@ -209,10 +209,10 @@ class NNXAdapter:
         stream_counts = self._stream_counts
         rest_index = self.mutable_index(training)
         write_back = bool(rest_index)
-        assigned: list[int] = []  # Param leaves the forward assigns (filled by the first trace)
-        traced = []
+        assigned = None  # Param leaves the forward assigns: found by the first trace
 
         def apply(state, *args, **kwargs):
+            nonlocal assigned
             (params, rest), raw = state
             p_leaves, p_def = jtu.tree_flatten(params)
             if assigned:
@@ -245,9 +245,8 @@ class NNXAdapter:
                 )
             changed = [i for i, (a, b) in enumerate(zip(p_leaves, new_p, strict=True))
                        if a is not b]
-            if not traced:
-                traced.append(True)
-                assigned.extend(changed)
+            if assigned is None:
+                assigned = changed
             elif changed != assigned:
                 raise NotImplementedError(
                     f"FlaxModule: the NNX module's forward assigned the Params at "
@@ -260,7 +259,7 @@ class NNXAdapter:
                            for i, x in enumerate(jtu.tree_leaves(new_rest))] + updates
             return out, updates
 
-        return apply, lambda: rest_index + tuple(assigned)
+        return apply, lambda: rest_index + tuple(assigned or ())
 
     def variables(self, leaves):
         """``(params State, rest State)`` for a list of leaf values (keys as raw data)."""

@@ -27,7 +27,7 @@ class Entry:
     __slots__ = ("program", "np_dtypes", "device", "cpu", "recompute", "n_results", "n_out",
                  "nondiff_out", "res_dtypes", "saved_in_dtypes", "saved_out_dtypes",
                  "cot_dtypes", "grad_slots", "traced", "aux_targets", "compile_id", "n_vars",
-                 "held", "saved_var_slots")
+                 "held")
 
     def __init__(self, program: Program, np_dtypes, device: torch.device, residuals="save",
                  n_vars: int = 0):
@@ -52,7 +52,6 @@ class Entry:
         self.saved_in_dtypes = tuple(self.np_dtypes[j] for j in p.saved_input_index)
         self.saved_out_dtypes = tuple(p.out_specs[k].dtype for k in p.saved_output_index)
         self.res_dtypes = tuple(s.dtype for s in p.residual_specs)
-        self.saved_var_slots = tuple(j for j in p.saved_input_index if j < self.n_vars)
         self.traced = True
 
     # -- conversions on the per-call path ----------------------------------------------
@@ -63,9 +62,7 @@ class Entry:
                 return [bridge.numpy_view(t, d) for t, d in zip(tensors, np_dtypes, strict=True)]
             return [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors]
         except Exception as e:
-            # Checked only on failure: the per-call path pays nothing for it.
-            if any(_functorch_wrapped(t) for t in tensors):
-                raise _under_torch_func(self.program.name) from e
+            _explain_torch_func(e, tensors, self.program.name)
             raise
 
     def leaf_arrays(self, leaves, keep: bool = True) -> list:
@@ -78,21 +75,18 @@ class Entry:
         if not n:
             return self.arrays(leaves, self.np_dtypes)
         try:
-            get = self.held.get
-            dtypes = self.np_dtypes
-            return ([get(i, leaves[i], dtypes[i], keep) for i in range(n)]
-                    + self.arrays(leaves[n:], dtypes[n:]))
+            held = [self.held.get(i, leaves[i], self.np_dtypes[i], keep) for i in range(n)]
         except Exception as e:
-            if any(_functorch_wrapped(t) for t in leaves):
-                raise _under_torch_func(self.program.name) from e
+            _explain_torch_func(e, leaves, self.program.name)
             raise
+        return held + self.arrays(leaves[n:], self.np_dtypes[n:])
 
     def saved_arrays(self, saved) -> list:
         """Arrays for the saved input leaves (``program.saved_input_index``) in the backward."""
-        if not self.saved_var_slots:
+        n = self.n_vars
+        if not n:
             return self.arrays(saved, self.saved_in_dtypes)
         get = self.held.get
-        n = self.n_vars
         return [get(j, t, d, False) if j < n else bridge.numpy_view(t, d)
                 for j, t, d in zip(self.program.saved_input_index, saved, self.saved_in_dtypes,
                                    strict=True)]
@@ -155,6 +149,15 @@ class Entry:
 def _functorch_wrapped(tensor) -> bool:
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return bool(isinstance(tensor, torch.Tensor) and check and check(tensor))
+
+
+def _explain_torch_func(error: Exception, tensors, where: str) -> None:
+    """Raises the torch.func explanation for a failed conversion, if that is its cause.
+
+    Checked only on failure: the per-call path pays nothing for it.
+    """
+    if any(_functorch_wrapped(t) for t in tensors):
+        raise _under_torch_func(where) from error
 
 
 def _under_torch_func(where: str) -> NotImplementedError:
