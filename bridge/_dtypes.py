@@ -80,9 +80,17 @@ def numpy_dtype(dtype: torch.dtype, *, name: str = "tensor") -> np.dtype:
     return entry[0]
 
 
-def raw_view_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype numpy can hold with the same bytes (bfloat16 -> int16, ...)."""
-    return _TABLE[dtype][1]
+@ft.cache  # on the per-call path: one dict lookup per tensor
+def view_typestr(dtype: torch.dtype) -> tuple[str, np.dtype]:
+    """The array-interface typestr of a torch dtype's bytes, and the numpy dtype to view as.
+
+    numpy-native dtypes expose themselves; bfloat16 and float8 expose integers of the same
+    width, which the caller re-views as the ml_dtypes type.
+    """
+    np_dtype, raw = _TABLE[dtype]
+    if raw is dtype:
+        return np_dtype.str, np_dtype
+    return _RAW_TYPESTR[raw], np_dtype
 
 
 def torch_dtype(dtype: np.dtype, *, name: str = "array") -> torch.dtype:

@@ -1,16 +1,35 @@
-"""Zero-copy exchange of arrays between torch and JAX.
+"""Per-call exchange between torch tensors and JAX arrays: views in, results out, ordering.
 
-On CPU both directions go through numpy views of the same memory: a numpy view of a torch
-tensor passed to a jitted function or ``jax.device_put`` is used in place when it is
-compact and 64-byte aligned, and a JAX buffer is exposed to torch through the array
-interface. Measured here a view passed into jit costs about 2.5 us per tensor (a
-``HeldArrays`` array, reused across calls, 0.6 us) and the way back 1.5-2 us, against
-23-150 us for ``jax.dlpack.from_dlpack`` (see README). On CUDA both directions use the
-``__dlpack__`` protocol, which carries the consumer's stream so that neither side reads
-before the other has written.
+NOTE [Exchange]. Every route is zero-copy where JAX can use the memory in place.
+
+* CPU (default): a numpy array over the tensor's memory, built from its data pointer
+  through the array interface. ``tensor.numpy()`` is never used: it marks the storage
+  non-resizable for good, and FSDP2's ``storage.resize_(0)`` then fails. Results come back
+  as torch tensors over the JAX buffers, after waiting for them.
+* DLPack (CUDA, or any device with ``FLAXTORCH_EXCHANGE=dlpack``): ``__dlpack__`` both
+  ways. The forced mode sends CPU tensors through this code so that CI runs it.
+
+Held arrays (``HeldArrays``): an owner's parameters and buffers keep their memory from
+call to call (optimizers and ``load_state_dict`` write in place), so each gets one JAX
+array over that memory, reused while the tensor's address, dtype, shape, strides and flags
+are unchanged, and replaced (releasing the old one) at the first call that sees otherwise.
+Old bits are never read as a new dtype or shape.
+
+Ordering. A jitted call returns before it has run, so ``results`` waits for its results
+before torch may read them; results depend on the inputs they read, so no input can be
+overwritten by torch while JAX still reads it. On CUDA, a DLPack import orders JAX's
+stream after torch's current stream for that one tensor, but a held array was imported
+once, long before torch's latest writes to it (an optimizer step). ``fence()`` imports
+one tiny tensor per call, ordered after everything torch has queued on its current stream,
+and every program takes it as an argument it waits for (``keep_unused``): one ordering
+per call instead of one import per parameter. Exports pass torch's current stream, so
+torch's later work waits for JAX's.
 """
 
 from __future__ import annotations
+
+import functools as ft
+import os
 
 import jax
 import numpy as np
@@ -20,9 +39,40 @@ from bridge import _devices, _dtypes
 
 ALIGNMENT = 64  # bytes; XLA's CPU client copies host buffers aligned less than this.
 
+EXCHANGE_MODES = ("auto", "dlpack")
+_mode = os.environ.get("FLAXTORCH_EXCHANGE", "auto")
+if _mode not in EXCHANGE_MODES:
+    raise ValueError(
+        f"flaxtorch: FLAXTORCH_EXCHANGE={_mode!r} is not one of {EXCHANGE_MODES}: 'auto' uses "
+        f"pointer views on CPU and DLPack on CUDA, 'dlpack' uses DLPack everywhere."
+    )
 
-class _BufferView:
-    """Exposes a ready JAX CPU buffer to numpy (and so torch) and keeps it alive."""
+
+def exchange_mode() -> str:
+    """``"auto"`` (pointer views on CPU, DLPack on CUDA) or ``"dlpack"`` (DLPack everywhere)."""
+    return _mode
+
+
+def set_exchange_mode(mode: str) -> str:
+    """Sets the exchange mode for calls compiled from now on; returns the previous one.
+
+    ``"dlpack"`` sends CPU tensors through the code path CUDA uses (DLPack imports and
+    exports, one fence per call), so that it runs without a GPU. Also settable with the
+    environment variable ``FLAXTORCH_EXCHANGE``.
+    """
+    global _mode
+    if mode not in EXCHANGE_MODES:
+        raise ValueError(f"set_exchange_mode: mode={mode!r} is not one of {EXCHANGE_MODES}.")
+    previous, _mode = _mode, mode
+    return previous
+
+
+class _Memory:
+    """Memory at an address, as numpy sees it through the array interface.
+
+    ``owner`` keeps the memory alive for as long as numpy (or JAX, which keeps the numpy
+    array) uses it; held arrays pass ``None`` (see ``HeldArrays``).
+    """
 
     __slots__ = ("__array_interface__", "owner")
 
@@ -36,222 +86,197 @@ class _BufferView:
         }
 
 
-def is_zero_copy(tensor: torch.Tensor) -> bool:
-    """Whether JAX can use ``tensor``'s memory in place (compact and 64-byte aligned)."""
-    return tensor.is_contiguous() and tensor.data_ptr() % ALIGNMENT == 0
-
-
-def numpy_view(tensor: torch.Tensor, np_dtype: np.dtype) -> np.ndarray:
-    """A numpy array over ``tensor``'s memory, made compact first if it is not.
-
-    The caller has checked the dtype (see ``_dtypes.numpy_dtype``); this is the per-call
-    hot path on CPU and does only what each call needs.
-    """
+def logical(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its values in memory: compact, no lazy conjugate or negative bit."""
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
     if not tensor.is_contiguous():
         # Stride-0 (expanded) and transposed tensors: JAX would reject the first and compile a
         # second executable for the layout of the second. One compact copy avoids both.
         tensor = tensor.contiguous()
-    raw = _dtypes.raw_view_dtype(tensor.dtype)
-    if raw is tensor.dtype:
-        return tensor.detach().numpy()
-    return tensor.detach().view(raw).numpy().view(np_dtype)
+    return tensor
+
+
+def cpu_view(tensor: torch.Tensor, owner=True) -> np.ndarray:
+    """A numpy array over a CPU tensor's memory (compacted and resolved first if needed).
+
+    The caller has checked the dtype (``_dtypes.numpy_dtype``). ``owner=True`` keeps the
+    tensor alive with the view; ``None`` does not (held arrays).
+    """
+    tensor = logical(tensor.detach())
+    typestr, np_dtype = _dtypes.view_typestr(tensor.dtype)
+    shape = tuple(tensor.shape)
+    if 0 in shape:
+        return np.empty(shape, np_dtype)
+    view = np.asarray(_Memory(tensor if owner else None, tensor.data_ptr(), shape, typestr))
+    return view if view.dtype == np_dtype else view.view(np_dtype)
 
 
 def cpu_tensor(array: jax.Array) -> torch.Tensor:
-    """A torch view of a ready JAX CPU array (no copy); see ``to_torch``."""
+    """A torch view of a ready JAX CPU array (no copy); it keeps the array alive."""
     typestr, view_as = _dtypes.typestr(array.dtype)
     shape = array.shape
-    if 0 in shape:  # (not array.size: a Python property, 0.5 us a call on this path)
+    if 0 in shape:  # not array.size: a Python property, slower on this path
         return torch.empty(shape, dtype=view_as or _dtypes.torch_dtype(array.dtype))
     out = torch.from_numpy(np.asarray(
-        _BufferView(array, array.unsafe_buffer_pointer(), shape, typestr)))
+        _Memory(array, array.unsafe_buffer_pointer(), shape, typestr)))
     return out if view_as is None else out.view(view_as)
 
 
-class HeldArrays:
-    """JAX arrays over CPU tensors' memory, one per slot, reused while the memory is the same.
+def _holdable(tensor: torch.Tensor) -> bool:
+    return (tensor.is_leaf and tensor.is_contiguous() and not tensor.is_conj()
+            and not tensor.is_neg() and tensor.data_ptr() % ALIGNMENT == 0)
 
-    Passing a numpy view to a jitted function makes JAX wrap it in a buffer on every call:
-    measured here with 256 arguments, 1.3 us for the view and 1.2 us inside jit per tensor,
-    against 0.6 us for a held array; a call of a model with 768 parameter tensors went from
-    31 to 23 ms. Parameters keep their memory from call to call (optimizers
-    and ``load_state_dict`` write in place), so the wrapper is made once per slot and
-    reused while the tensor still starts at the same address and is contiguous. The array
-    shares the memory, so in-place writes by torch are what the next call reads.
 
-    A held array keeps its tensor's memory alive: when a slot's tensor is replaced
-    (``p.data = ...``), the old memory is released at the next ``get(..., keep=True)`` of
-    that slot, by ``clear()``, or with the owner's cache (``FlaxModule`` drops its cache on
-    ``.to()`` and ``load_state_dict``). Tensors JAX cannot share without a copy (unaligned,
-    non-contiguous) and non-leaf tensors are never held: each call gets a fresh view.
-    Only for CPU tensors: on CUDA a held array would skip the stream ordering that each
-    DLPack import performs.
-    """
+class CpuExchange:
+    """Pointer views on CPU (see NOTE [Exchange])."""
 
-    __slots__ = ("_held", "_device")
+    dlpack = False
 
-    def __init__(self, n: int, device):
-        self._held: list = [None] * n
-        self._device = device
+    def __init__(self, device):
+        self.device = device  # the JAX device
 
-    def get(self, slot: int, tensor: torch.Tensor, np_dtype: np.dtype, keep: bool = True):
-        """A JAX array (or numpy view) over ``tensor``'s memory for jit.
+    def view(self, tensor: torch.Tensor):
+        """What a program takes for ``tensor`` in this call."""
+        return cpu_view(tensor)
 
-        Args:
-            slot: which held array to reuse or replace.
-            tensor: a CPU tensor whose dtype maps to ``np_dtype``.
-            np_dtype: the numpy dtype it is read as.
-            keep: on a miss, hold the new array for the next call (``False`` for tensors
-                that may be temporary, such as those a saved-tensor hook returns).
+    def hold(self, tensor: torch.Tensor):
+        """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
+
+        It does not keep the memory alive: it is used only in a call that has just checked
+        the tensor is still at that address, so it reads the tensor's current memory, and
+        memory the user replaced is released at once (FSDP2 frees and re-gathers parameter
+        storage between calls). JAX never writes to or frees it.
         """
-        ptr = tensor.data_ptr()
-        held = self._held[slot]
-        if held is not None and held[0] == ptr and tensor.is_contiguous():
-            return held[1]
-        view = numpy_view(tensor, np_dtype)
-        # Non-leaf tensors are made per call (an autocast copy of a parameter): not worth
-        # holding, and holding would keep the copy alive until the next call.
-        if not keep or ptr % ALIGNMENT or not tensor.is_contiguous() or not tensor.is_leaf:
-            return view
-        array = jax.device_put(view, self._device)
-        if array.size and array.unsafe_buffer_pointer() != ptr:  # JAX copied: never hold
-            return view
-        self._held[slot] = (ptr, array)
+        if not _holdable(tensor):
+            return None
+        array = jax.device_put(cpu_view(tensor, owner=None), self.device)
+        if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold
+            return None
         return array
 
+    def fence(self) -> tuple:
+        """Nothing to order on CPU: results are awaited before torch reads them."""
+        return ()
+
+    def results(self, arrays) -> list[torch.Tensor]:
+        """Program results -> torch tensors, after waiting for JAX to compute them."""
+        jax.block_until_ready(arrays)
+        return [cpu_tensor(a) for a in arrays]
+
+
+class DlpackExchange:
+    """``__dlpack__`` both ways, one fence per call (see NOTE [Exchange])."""
+
+    dlpack = True
+
+    def __init__(self, device, torch_device: torch.device):
+        self.device = device
+        self._fence = torch.zeros(1, dtype=torch.uint8, device=torch_device)
+
+    def view(self, tensor: torch.Tensor):
+        """A JAX array over ``tensor``'s memory, ordered after torch's pending writes to it."""
+        tensor = logical(tensor.detach())
+        if 0 in tensor.shape:
+            return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
+        return jax.dlpack.from_dlpack(tensor)
+
+    def hold(self, tensor: torch.Tensor):
+        """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
+
+        The import keeps the tensor alive until the array is dropped (the next call that
+        finds the tensor replaced). Reads are ordered by ``fence()``, not by the import.
+        """
+        if not _holdable(tensor) or 0 in tensor.shape:
+            return None
+        array = jax.dlpack.from_dlpack(tensor.detach())
+        if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold
+            return None
+        return array
+
+    def fence(self) -> tuple:
+        """One array, ready once everything torch has queued on its current stream is."""
+        return (jax.dlpack.from_dlpack(self._fence),)
+
+    def results(self, arrays) -> list[torch.Tensor]:
+        """Program results -> torch tensors; torch's stream waits for JAX's (``__dlpack__``)."""
+        return [torch.from_dlpack(a) for a in arrays]
+
+
+@ft.cache
+def _exchange(device: torch.device, mode: str):
+    jax_device = _devices.jax_device(device)
+    if device.type == "cpu" and mode == "auto":
+        return CpuExchange(jax_device)
+    return DlpackExchange(jax_device, device)
+
+
+def exchange_for(device: torch.device):
+    """The exchange for tensors on ``device`` under the current mode (one per device)."""
+    return _exchange(device, _mode)
+
+
+class HeldArrays:
+    """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
+
+    Per slot it keeps the tensor's address, dtype, shape, ``requires_grad`` and the array
+    (``None`` when the tensor cannot be held: a non-leaf, such as an autocast copy or a
+    parametrized weight, unaligned or non-compact memory; those get a fresh view each call).
+    See NOTE [Exchange] for when a held array is valid.
+    """
+
+    __slots__ = ("_slots",)
+
+    def __init__(self):
+        self._slots: list = []
+
+    def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
+        """Arrays for ``tensors`` (one per slot), and whether a dtype, shape or grad flag changed.
+
+        A slot whose tensor moved (same dtype and shape, another address or layout) gets a
+        new array, which is no change of signature. ``grads`` replaces the tensors'
+        ``requires_grad`` flags (inside a custom op, tensors arrive detached).
+        """
+        slots = self._slots
+        changed = len(slots) != len(tensors)
+        if changed:
+            slots[:] = [None] * len(tensors)
+        out = []
+        for i, t in enumerate(tensors):
+            s = slots[i]
+            ptr = t.data_ptr()
+            grad = t.requires_grad if grads is None else grads[i]
+            if s is not None and s[0] == ptr and s[4] is exchange:
+                if s[1] is t.dtype and s[2] == t.shape and s[3] == grad:
+                    array = s[5]
+                    if array is None:
+                        out.append(exchange.view(t))
+                        continue
+                    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                        out.append(array)
+                        continue
+            if s is None or s[1] is not t.dtype or s[2] != t.shape or s[3] != grad:
+                changed = True
+            array = exchange.hold(t)
+            slots[i] = (ptr, t.dtype, t.shape, grad, exchange, array)
+            out.append(exchange.view(t) if array is None else array)
+        return out, changed
+
+    def get(self, slot: int, tensor: torch.Tensor, exchange):
+        """The held array of ``slot`` if ``tensor`` is still its tensor, else a fresh view.
+
+        Nothing new is held: in a backward, saved-tensor hooks may hand back temporary
+        copies.
+        """
+        s = self._slots[slot] if slot < len(self._slots) else None
+        if (s is not None and s[5] is not None and s[0] == tensor.data_ptr() and s[4] is exchange
+                and s[1] is tensor.dtype and s[2] == tensor.shape and tensor.is_contiguous()
+                and not tensor.is_conj() and not tensor.is_neg()):
+            return s[5]
+        return exchange.view(tensor)
+
     def clear(self) -> None:
-        """Releases every held array (and the tensor memory it keeps alive)."""
-        self._held = [None] * len(self._held)
-
-
-def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, name: str = "tensor") -> jax.Array:
-    """A JAX array holding the values of a torch tensor, sharing its memory when possible.
-
-    Tensors that require grad are detached (JAX gets the values, not the graph). Compact,
-    64-byte aligned tensors are shared without a copy: writing to the tensor afterwards
-    changes the array. Others (transposed, sliced, expanded, unaligned) are copied once.
-
-    Args:
-        tensor: a torch tensor on cpu or cuda.
-        copy: ``None`` shares memory where possible and copies otherwise; ``False`` raises
-            instead of copying; ``True`` always copies.
-        name: the argument name used in error messages.
-
-    Returns:
-        A ``jax.Array`` on the JAX device matching ``tensor.device``.
-
-    Raises:
-        TypeError: not a tensor, or a dtype JAX cannot hold exactly (64-bit without x64).
-        ValueError: ``copy=False`` but the memory cannot be shared, or an unmapped device.
-
-    Example:
-        >>> t = torch.arange(4, dtype=torch.float32)
-        >>> to_jax(t).unsafe_buffer_pointer() == t.data_ptr()
-        True
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(
-            f"to_jax: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}."
-        )
-    np_dtype = _dtypes.numpy_dtype(tensor.dtype, name=name)
-    device = _devices.jax_device(tensor.device, name=name)
-    if copy is False and not is_zero_copy(tensor):
-        reason = (
-            "not contiguous (transposed, sliced or expanded)"
-            if not tensor.is_contiguous()
-            else f"at an address not aligned to {ALIGNMENT} bytes"
-        )
-        raise ValueError(
-            f"to_jax: argument '{name}' (shape {tuple(tensor.shape)}, strides "
-            f"{tensor.stride()}) is {reason}, so JAX cannot share its memory and copy=False "
-            f"forbids a copy. Pass {name}.contiguous().clone() or use copy=None."
-        )
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        view = numpy_view(tensor, np_dtype)
-        if copy:
-            view = view.copy()
-        return jax.device_put(view, device)
-    if copy:
-        tensor = tensor.clone()
-    elif not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    # __dlpack__ protocol: JAX passes its stream, torch orders its pending work before it.
-    return jax.dlpack.from_dlpack(tensor)
-
-
-def to_torch(array: jax.Array, *, copy: bool | None = None, name: str = "array") -> torch.Tensor:
-    """A torch tensor over a JAX array's memory, without copying unless asked to.
-
-    Waits until the array is computed (JAX dispatch is asynchronous), so torch never reads
-    memory JAX has not written yet.
-
-    Args:
-        array: a JAX array on one CPU or GPU device.
-        copy: ``True`` returns a tensor with its own memory; otherwise the memory is shared.
-        name: the argument name used in error messages.
-
-    Returns:
-        A torch tensor on the matching device with the exact dtype.
-
-    Raises:
-        TypeError: not a JAX array, or a dtype torch cannot hold.
-        ValueError: the array spans several devices.
-
-    Example:
-        >>> a = jax.numpy.arange(4.0)
-        >>> to_torch(a).data_ptr() == a.unsafe_buffer_pointer()
-        True
-    """
-    if not isinstance(array, jax.Array):
-        raise TypeError(f"to_torch: argument '{name}' must be a jax.Array, got {type(array)}.")
-    _dtypes.torch_dtype(array.dtype, name=name)
-    devices = array.devices()
-    if len(devices) != 1:
-        raise ValueError(
-            f"to_torch: argument '{name}' is spread over {len(devices)} devices; gather it "
-            f"onto one first, e.g. jax.device_put(x, jax.devices()[0])."
-        )
-    (device,) = devices
-    torch_device = _devices.torch_device(device)
-    if torch_device.type == "cpu":
-        array.block_until_ready()
-        out = cpu_tensor(array)
-    else:
-        out = torch.from_dlpack(array)
-    return out.clone() if copy else out
-
-
-def tree_to_jax(tree, *, copy: bool | None = None):
-    """``to_jax`` on every torch tensor in a pytree; other leaves are left as they are.
-
-    Example:
-        >>> tree_to_jax({"x": torch.ones(2), "n": 3})["n"]
-        3
-    """
-    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [
-        to_jax(leaf, copy=copy, name=jax.tree_util.keystr(path) or "tree")
-        if isinstance(leaf, torch.Tensor)
-        else leaf
-        for path, leaf in paths
-    ]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def tree_to_torch(tree, *, copy: bool | None = None):
-    """``to_torch`` on every JAX array in a pytree; other leaves are left as they are.
-
-    Example:
-        >>> tree_to_torch({"x": jax.numpy.ones(2)})["x"].dtype
-        torch.float32
-    """
-    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    jax.block_until_ready([leaf for _, leaf in paths if isinstance(leaf, jax.Array)])
-    leaves = [
-        to_torch(leaf, copy=copy, name=jax.tree_util.keystr(path) or "tree")
-        if isinstance(leaf, jax.Array)
-        else leaf
-        for path, leaf in paths
-    ]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+        """Releases every held array."""
+        self._slots = []

@@ -2,18 +2,23 @@
 
 An adapter turns a Flax module into what the torch side needs and nothing torch-specific:
 
-* ``leaves``: ``(name, value, is_param)`` per variable leaf, in a fixed order;
+* ``names`` / ``is_param``: one dotted Flax path and kind per variable leaf, in a fixed
+  order, and ``take_initial_values()``: their values once, to hand to their new owner;
 * ``treedef``: how those leaves rebuild the module's state;
-* ``make_apply(training)``: ``(apply, targets)``, where ``apply(state, *args, **kwargs)``
-  returns ``(outputs, updates)``, ``state = (variable leaves tree, raw key data or None)``,
-  and ``updates`` are the new values of the leaves at ``targets()``, which is final once
-  ``apply`` has been traced (an NNX forward may assign a Param: found by tracing it).
+* ``make_apply(mode)``: ``apply(state, *args, **kwargs) -> (outputs, updates, WriteBack)``
+  with ``state = (variable leaves tree, raw key data or None)``; ``updates`` are the new
+  values of the leaves at ``WriteBack.targets`` (found by tracing: an NNX forward may
+  assign a Param). ``mode`` is ``training`` for Linen and ``(training, graph)`` for NNX.
 
-RNG streams get their keys as raw key data (an integer array) so that the key can cross to
-torch, be saved for the backward, and be drawn from torch's generator.
+Typed PRNG keys (RNG streams, key-typed state) cross as raw key data so that torch can
+hold, save and draw them, and unsigned 16/32/64-bit state as the signed dtype of its width
+(see ``_Leaves``); both are restored, bit for bit, inside the program.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,19 @@ jtu = jax.tree_util
 INVERTED_TRAIN_KWARGS = frozenset({"deterministic", "use_running_average", "eval", "inference"})
 
 
+class WriteBack(NamedTuple):
+    """What a call returns besides arrays: which leaves its updates replace, and the graph.
+
+    Attributes:
+        targets: indices of the variable leaves that the call's ``updates`` replace, in order.
+        graph: for NNX, the id of the module graph after the call (a forward that changes
+            a Python attribute changes the graph, as under ``nnx.jit``); ``None`` otherwise.
+    """
+
+    targets: tuple[int, ...] = ()
+    graph: int | None = None
+
+
 def _key_name(k) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
@@ -33,7 +51,22 @@ def _key_name(k) -> str:
     return str(k)
 
 
-def _is_key(x) -> bool:
+def _dotted(path, where: str) -> str:
+    parts = [_key_name(k) for k in path]
+    for part in parts:
+        if "." in part or not part:
+            raise ValueError(
+                f"{where}: the Flax variable path {tuple(parts)} has the name {part!r}. torch "
+                f"joins state_dict names with '.', so this path would read as "
+                f"{'.'.join(parts)!r} and could collide with another variable (e.g. "
+                f"params['a.kernel'] and params['a']['kernel']); an empty name cannot be a "
+                f"torch name at all. Rename the Flax variable or submodule (e.g. 'a_kernel')."
+            )
+    return ".".join(parts)
+
+
+def is_key(x) -> bool:
+    """Whether ``x`` is a typed PRNG key array."""
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
@@ -63,6 +96,13 @@ def wrap_keys(raw, streams: tuple[str, ...]) -> dict:
     return {name: keys[i] for i, name in enumerate(streams)}
 
 
+def _split_to(key, shape: tuple[int, ...]):
+    """Keys of ``shape`` from one key (a stacked stream key: one key per layer)."""
+    if not shape:
+        return key
+    return jax.random.split(key, math.prod(shape)).reshape(shape)
+
+
 def init_linen(module: nn.Module, rngs: dict, args: tuple, kwargs: dict):
     """``module.init(rngs, *args, **kwargs)`` compiled as one program.
 
@@ -82,19 +122,106 @@ def init_linen(module: nn.Module, rngs: dict, args: tuple, kwargs: dict):
     return jax.jit(init)(rngs, [leaves[i] for i in arrays])
 
 
-class LinenAdapter:
-    """A ``flax.linen.Module`` and its variables dict (collection -> tree)."""
+# Same-width signed dtypes for unsigned ones. torch's unsigned 16/32/64-bit dtypes are
+# barely supported (a plain pickle of such a tensor fails to load, gloo cannot broadcast
+# one): torch holds those bits as the signed dtype, bitcast back inside the program.
+_SIGNED = {np.dtype(np.uint16): jnp.int16, np.dtype(np.uint32): jnp.int32,
+           np.dtype(np.uint64): jnp.int64}
+
+
+class _Leaves:
+    """Names, kinds and (once) values of an adapter's variable leaves, in torch's storage.
+
+    What torch holds differs from the Flax value in two cases, undone inside the program
+    (``restore``) and redone for state written back (``store``): a typed PRNG key is held
+    as its raw key data, and unsigned 16/32/64-bit data as the signed dtype of its width.
+    """
+
+    def __init__(self, names, is_param, values):
+        self.names = tuple(names)
+        self.is_param = tuple(is_param)
+        self._codecs = {}  # leaf index -> (unsigned dtype or None, key impl or None)
+        stored = []
+        for i, x in enumerate(values):
+            impl = jax.random.key_impl(x) if is_key(x) else None
+            x = x if impl is not None else jnp.asarray(x)
+            data = jax.random.key_data(x) if impl is not None else x
+            unsigned = np.dtype(data.dtype) if np.dtype(data.dtype) in _SIGNED else None
+            if impl is not None or unsigned is not None:
+                self._codecs[i] = (unsigned, impl)
+            stored.append(self.store(i, x))
+        self._values = stored
+
+    def take_initial_values(self) -> list:
+        """The initial values, once: the new owner keeps them, the adapter does not."""
+        values, self._values = self._values, None
+        if values is None:
+            raise RuntimeError("take_initial_values: the values were already taken.")
+        return values
+
+    def store(self, i: int, x):
+        """Leaf ``i``'s Flax value (a typed key too) as torch holds it."""
+        codec = self._codecs.get(i)
+        if codec is None:
+            return x
+        unsigned, impl = codec
+        if impl is not None and is_key(x):
+            x = jax.random.key_data(x)
+        if unsigned is not None and np.dtype(x.dtype) == unsigned:
+            x = jax.lax.bitcast_convert_type(x, _SIGNED[unsigned])
+        return x
+
+    def restore(self, i: int, x, keys: bool = True):
+        """Leaf ``i`` as Flax uses it, from what torch holds (``keys=False``: raw key data)."""
+        codec = self._codecs.get(i)
+        if codec is None:
+            return x
+        unsigned, impl = codec
+        if unsigned is not None and np.dtype(x.dtype) == np.dtype(_SIGNED[unsigned]):
+            x = jax.lax.bitcast_convert_type(x, unsigned)
+        if impl is not None and keys:
+            x = jax.random.wrap_key_data(x, impl=impl)
+        return x
+
+    def restore_all(self, leaves, keys: bool = True) -> list:
+        """``restore`` on every leaf."""
+        return [self.restore(i, x, keys) for i, x in enumerate(leaves)]
+
+    def leaf_values(self, variables) -> list:
+        """Leaf values as torch holds them, of variables shaped like ``variables()``."""
+        leaves, treedef = jtu.tree_flatten(variables)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"load_flax_variables: the variables have structure {treedef}, expected "
+                f"{self.treedef}. Pass what flax_variables() returns for this module."
+            )
+        return [self.store(i, jnp.asarray(x) if not is_key(x) else x)
+                for i, x in enumerate(leaves)]
+
+    def variables(self, leaves):
+        """The Flax state for a list of leaf values as torch holds them (typed keys)."""
+        return jtu.tree_unflatten(self.treedef, self.restore_all(list(leaves)))
+
+
+class LinenAdapter(_Leaves):
+    """A ``flax.linen.Module`` and its variables dict (collection -> tree).
+
+    Key-typed variables (``self.variable("state", "key", lambda: jax.random.key(0))``) are
+    held as raw key data and wrapped inside the program.
+    """
 
     kind = "linen"
 
-    def __init__(self, module: nn.Module, variables, *, rng_streams=(), train_kwarg=None):
+    def __init__(self, module: nn.Module, variables, *, rng_streams=(), train_kwarg=None,
+                 where: str = "FlaxModule"):
         self.module = module
         self.rng_streams = tuple(rng_streams)
         self.train_kwarg = train_kwarg
         path_leaves, self.treedef = jtu.tree_flatten_with_path(variables)
-        self.leaves = tuple(
-            (".".join(map(_key_name, path)), jnp.asarray(leaf), _key_name(path[0]) == "params")
-            for path, leaf in path_leaves
+        super().__init__(
+            [_dotted(path, where) for path, _ in path_leaves],
+            [_key_name(path[0]) == "params" for path, _ in path_leaves],
+            [leaf for _, leaf in path_leaves],
         )
         self._collections = tuple(_key_name(p[0]) for p, _ in path_leaves)
 
@@ -110,59 +237,97 @@ class LinenAdapter:
         return tuple(i for i, c in enumerate(self._collections) if c in mutable)
 
     def make_apply(self, training: bool):
-        """``apply(state, *args, **kwargs) -> (outputs, updates)`` for one mode."""
+        """``apply(state, *args, **kwargs) -> (outputs, updates, WriteBack)`` for one mode."""
         mutable = self.mutable_collections(training)
         index = self.mutable_index(training)
-        names = [self.leaves[i][0] for i in index]
+        names = [self.names[i] for i in index]
         module, streams, kwarg = self.module, self.rng_streams, self.train_kwarg
+        write_back = WriteBack(index)
 
         def apply(state, *args, **kwargs):
             variables, raw = state
             if kwarg is not None:
                 kwargs = {**kwargs, kwarg: training != (kwarg in INVERTED_TRAIN_KWARGS)}
             rngs = wrap_keys(raw, streams) if streams else None
-            if not mutable:
-                return module.apply(variables, *args, rngs=rngs, **kwargs), []
             leaves, treedef = jtu.tree_flatten(variables)
-            old = _snapshot(leaves, index)
+            if mutable:
+                leaves = _snapshot(leaves, index)
+            old = self.restore_all(leaves)
             variables = jtu.tree_unflatten(treedef, old)
+            if not mutable:
+                return module.apply(variables, *args, rngs=rngs, **kwargs), [], write_back
             out, new = module.apply(variables, *args, rngs=rngs, mutable=list(mutable), **kwargs)
             by_name = {
                 ".".join(_key_name(k) for k in path): leaf
                 for path, leaf in jtu.tree_flatten_with_path(dict(new))[0]
             }
-            return out, [by_name.get(n, old[i]) for n, i in zip(names, index, strict=True)]
+            updates = [self.store(i, by_name.get(n, old[i]))
+                       for n, i in zip(names, index, strict=True)]
+            return out, updates, write_back
 
-        return apply, lambda: index
-
-    def variables(self, leaves):
-        """The Flax variables dict for a list of leaf values."""
-        return jtu.tree_unflatten(self.treedef, list(leaves))
+        return apply
 
 
-class NNXAdapter:
+def _train_mode_graph(graphdef, params, rest):
+    """The graph with every train/eval flag in train mode.
+
+    ``.train()`` / ``.eval()`` set plain attributes (``deterministic``,
+    ``use_running_average``), which are part of an NNX graph. The torch side passes the
+    mode separately, so graphs are kept and compared in one mode: a mode switch is not a
+    graph change, and eval after train reuses the same graph.
+    """
+    model = nnx.merge(graphdef, params, rest)
+    model.train()
+    return nnx.split(model, nnx.Param, ...)[0]
+
+
+def _paths(state) -> list[str]:
+    names = []
+    for path, _ in jtu.tree_flatten_with_path(state)[0]:
+        parts = [_key_name(k) for k in path]
+        names.append(".".join(parts[:-1] if parts and parts[-1] == "value" else parts))
+    return names
+
+
+def _changed_paths(before, after) -> str:
+    """The paths only one of two states has, for a message."""
+    old, new = _paths(before), _paths(after)
+    added = [p for p in new if p not in set(old)]
+    removed = [p for p in old if p not in set(new)]
+    return ", ".join([f"added {p!r}" for p in added] + [f"removed {p!r}" for p in removed]
+                     + [f"{len(old)} before the call, {len(new)} after"])
+
+
+class NNXAdapter(_Leaves):
     """An ``nnx.Module``: ``nnx.Param`` leaves are parameters, every other state a buffer.
 
     Key-typed state (``nnx.RngKey``) is held as raw key data and wrapped inside the program.
+    The module's graph (its structure and plain Python attributes) lives here; a forward
+    that changes an attribute yields a new graph, which the next call uses, as
+    ``nnx.jit`` propagates it. Graphs are numbered on first sight.
     """
 
     kind = "nnx"
 
-    def __init__(self, module: nnx.Module, *, rng_streams=(), train_kwarg=None):
+    def __init__(self, module: nnx.Module, *, rng_streams=(), train_kwarg=None,
+                 where: str = "FlaxModule"):
         if train_kwarg is not None:
             raise ValueError(
-                f"FlaxModule: train_kwarg={train_kwarg!r} is for Linen modules; an NNX module's "
+                f"{where}: train_kwarg={train_kwarg!r} is for Linen modules; an NNX module's "
                 f"train/eval behaviour follows module.train()/module.eval() automatically. "
                 f"Drop the train_kwarg argument."
             )
-        self.graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        self.where = where
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        graphdef = _train_mode_graph(graphdef, params, rest)
+        self._graphs = [graphdef]
         self.rng_streams = tuple(rng_streams)
-        p_leaves, p_def = jtu.tree_flatten_with_path(params)
-        r_leaves, r_def = jtu.tree_flatten_with_path(rest)
+        p_leaves, _ = jtu.tree_flatten_with_path(params)
+        r_leaves, _ = jtu.tree_flatten_with_path(rest)
         self.treedef = jtu.tree_structure((params, rest))
         self._n_params = len(p_leaves)
-        self._rest_def = r_def
-        self._key_index = tuple(i for i, (_, leaf) in enumerate(r_leaves) if _is_key(leaf))
+        self._key_index = tuple(i for i, (_, leaf) in enumerate(r_leaves) if is_key(leaf))
+        self._key_shapes = {i: tuple(r_leaves[i][1].shape) for i in self._key_index}
         flat_rest = nnx.to_flat_state(rest)
         tags = [getattr(v, "tag", None) for _, v in flat_rest]
         self._stream_keys = tuple(
@@ -176,14 +341,32 @@ class NNXAdapter:
         )
 
         def name(path):
-            parts = [_key_name(k) for k in path]
-            return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+            if path and _key_name(path[-1]) == "value":
+                path = path[:-1]
+            return _dotted(path, where)
 
-        self.leaves = tuple(
-            [(name(p), jnp.asarray(leaf), True) for p, leaf in p_leaves]
-            + [(name(p), jax.random.key_data(leaf) if _is_key(leaf) else jnp.asarray(leaf), False)
-               for p, leaf in r_leaves]
+        super().__init__(
+            [name(p) for p, _ in p_leaves] + [name(p) for p, _ in r_leaves],
+            [True] * len(p_leaves) + [False] * len(r_leaves),
+            [leaf for _, leaf in p_leaves] + [leaf for _, leaf in r_leaves],
         )
+
+    def graph_id(self, graphdef) -> int:
+        """The number of a module graph, numbered on first sight.
+
+        Graphs are compared, not hashed: a graph may hold unhashable attributes, and
+        hashing a large one is slow.
+        """
+        for gid, known in enumerate(self._graphs):
+            if known == graphdef:
+                return gid
+        self._graphs.append(graphdef)
+        return len(self._graphs) - 1
+
+    @property
+    def graphdef(self):
+        """The module graph as first split (before any forward changed it)."""
+        return self._graphs[0]
 
     def mutable_index(self, training: bool) -> tuple[int, ...]:
         """Every non-Param leaf is written back in training mode; none in eval mode.
@@ -193,10 +376,10 @@ class NNXAdapter:
         """
         if not training:
             return ()
-        return tuple(range(self._n_params, len(self.leaves)))
+        return tuple(range(self._n_params, len(self.names)))
 
-    def make_apply(self, training: bool):
-        """``(apply, targets)`` for one mode; see the module docstring.
+    def make_apply(self, mode):
+        """``apply`` for ``mode = (training, graph id)``; see the module docstring.
 
         Besides the non-Param state (training mode), the forward's own Param assignments
         (``m.kernel[...] = ...``, as in the ``nnx.fori_loop`` docstring) are written back in
@@ -204,9 +387,10 @@ class NNXAdapter:
         identity when it is first traced; later traces copy those Params on entry, so the
         backward reads the copy and never the torch parameter that is then overwritten.
         """
-        graphdef, key_index = self.graphdef, set(self._key_index)
+        training, gid = mode
+        graphdef, n_params = self._graphs[gid], self._n_params
         stream_keys, streams = self._stream_keys, self.rng_streams
-        stream_counts = self._stream_counts
+        stream_counts, key_shapes = self._stream_counts, self._key_shapes
         rest_index = self.mutable_index(training)
         write_back = bool(rest_index)
         assigned = None  # Param leaves the forward assigns: found by the first trace
@@ -217,16 +401,16 @@ class NNXAdapter:
             p_leaves, p_def = jtu.tree_flatten(params)
             if assigned:
                 p_leaves = _snapshot(p_leaves, assigned)
-                params = jtu.tree_unflatten(p_def, p_leaves)
             r_leaves, r_def = jtu.tree_flatten(rest)
             if write_back:  # see _snapshot: every non-Param leaf is written back
                 r_leaves = _snapshot(r_leaves, range(len(r_leaves)))
-            r_leaves = [jax.random.wrap_key_data(x) if i in key_index else x
-                        for i, x in enumerate(r_leaves)]
+            p_leaves = [self.restore(i, x) for i, x in enumerate(p_leaves)]
+            params = jtu.tree_unflatten(p_def, p_leaves)
+            r_leaves = [self.restore(n_params + i, x) for i, x in enumerate(r_leaves)]
             if streams:
                 drawn = wrap_keys(raw, streams)
                 for n, (i, tag) in enumerate(stream_keys):
-                    r_leaves[i] = jax.random.fold_in(drawn[tag], n)
+                    r_leaves[i] = _split_to(jax.random.fold_in(drawn[tag], n), key_shapes[i])
                 for i in stream_counts:
                     r_leaves[i] = jnp.zeros_like(r_leaves[i])
             model = nnx.merge(graphdef, params, jtu.tree_unflatten(r_def, r_leaves))
@@ -235,38 +419,49 @@ class NNXAdapter:
             else:
                 model.eval()
             out = model(*args, **kwargs)
-            _, new_params, new_rest = nnx.split(model, nnx.Param, ...)
+            model.train()  # graphs are compared in one mode (see _train_mode_graph)
+            new_graphdef, new_params, new_rest = nnx.split(model, nnx.Param, ...)
+            self._check_same_state(params, new_params, rest, new_rest)
             new_p = jtu.tree_leaves(new_params)
-            if jtu.tree_structure(new_params) != p_def:
-                raise NotImplementedError(
-                    f"FlaxModule: the NNX module's forward adds or removes nnx.Param "
-                    f"variables ({p_def.num_leaves} before the call, {len(new_p)} after); "
-                    f"torch owns a fixed set of parameters. Create every Param in __init__."
-                )
             changed = [i for i, (a, b) in enumerate(zip(p_leaves, new_p, strict=True))
                        if a is not b]
             if assigned is None:
                 assigned = changed
             elif changed != assigned:
                 raise NotImplementedError(
-                    f"FlaxModule: the NNX module's forward assigned the Params at "
+                    f"{self.where}: the NNX module's forward assigned the Params at "
                     f"{changed} in one trace and {assigned} in another; it must assign the "
                     f"same Params on every call."
                 )
-            updates = [new_p[i] for i in assigned]
+            updates = [self.store(i, new_p[i]) for i in assigned]
             if write_back:
-                updates = [jax.random.key_data(x) if i in key_index else x
+                updates = [self.store(n_params + i, x)
                            for i, x in enumerate(jtu.tree_leaves(new_rest))] + updates
-            return out, updates
+            new_gid = gid if new_graphdef == graphdef else self.graph_id(new_graphdef)
+            return out, updates, WriteBack(rest_index + tuple(assigned), new_gid)
 
-        return apply, lambda: rest_index + tuple(assigned or ())
+        return apply
 
-    def variables(self, leaves):
-        """``(params State, rest State)`` for a list of leaf values (keys as raw data)."""
-        return jtu.tree_unflatten(self.treedef, list(leaves))
+    def _check_same_state(self, params, new_params, rest, new_rest) -> None:
+        """Refuses, while tracing (so before anything is written), a forward that adds state."""
+        if jtu.tree_structure(new_params) != jtu.tree_structure(params):
+            raise NotImplementedError(
+                f"{self.where}: the NNX module's forward adds or removes nnx.Param "
+                f"variables ({_changed_paths(params, new_params)}); torch owns a fixed set "
+                f"of parameters. Create every Param in __init__."
+            )
+        if jtu.tree_structure(new_rest) != jtu.tree_structure(rest):
+            raise NotImplementedError(
+                f"{self.where}: the NNX module's forward creates or deletes state "
+                f"({_changed_paths(rest, new_rest)}), e.g. with self.sow(nnx.Intermediate, "
+                f"...); torch owns "
+                f"a fixed set of buffers, so this state cannot be kept. Create the variable in "
+                f"__init__ (e.g. nnx.Intermediate(jnp.zeros(...))) or drop it inside __call__ "
+                f"(nnx.pop(self, nnx.Intermediate)). Nothing was written back."
+            )
 
 
-def adapter_for(module, variables=None, **options):
+def adapter_for(module, variables=None, *, where: str = "FlaxModule", **options):
     """The adapter for a Linen or NNX module.
 
     Raises:
@@ -274,12 +469,12 @@ def adapter_for(module, variables=None, **options):
     """
     if isinstance(module, nnx.Module):
         if variables is not None:
-            raise ValueError("FlaxModule: variables= is for Linen modules; an NNX module "
-                             "carries its own state. Load weights into it before wrapping.")
-        return NNXAdapter(module, **options)
+            raise ValueError(f"{where}: variables= is for Linen modules; an NNX module "
+                             f"carries its own state. Load weights into it before wrapping.")
+        return NNXAdapter(module, where=where, **options)
     if isinstance(module, nn.Module):
-        return LinenAdapter(module, variables, **options)
+        return LinenAdapter(module, variables, where=where, **options)
     raise TypeError(
-        f"FlaxModule: module must be a flax.linen.Module or a flax.nnx.Module, got "
+        f"{where}: module must be a flax.linen.Module or a flax.nnx.Module, got "
         f"{type(module).__name__}. Wrap a plain JAX function with torchside.jax_function."
     )

@@ -1,28 +1,34 @@
-"""Which outputs of a jaxpr depend on which inputs (for outputs that need no gradient)."""
+"""Which inputs of a jaxpr each output depends on (gradients, unused outputs and inputs)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+try:  # jax >= 0.4.36
+    from jax.extend.core import Var
+except ImportError:  # pragma: no cover - older jax
+    from jax.core import Var
 
-from jax.extend import core as jex_core
 
+def input_masks(jaxpr) -> list[int]:
+    """For each output of ``jaxpr``, a bitmask of the inputs it depends on (bit i: input i).
 
-def depends_on(jaxpr, mask: Sequence[bool]) -> list[bool]:
-    """For each output of ``jaxpr``, whether it depends on an input marked in ``mask``.
-
-    Conservative: an equation's outputs all depend on any of its inputs that does (so a
-    scan or a nested call never under-reports). An output that does not depend on any
-    marked input carries no gradient and torch can treat it as non-differentiable.
+    Conservative: an equation's outputs all depend on every input of the equation (so a
+    scan or a nested call never under-reports). An output that depends on no
+    differentiated input carries no gradient; a differentiated input that no used output
+    depends on gets ``None`` from torch, and an input no output depends on is never read.
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> j = jax.make_jaxpr(lambda a, b: (a * 2, b + 1))(1.0, 2.0).jaxpr
-        >>> depends_on(j, [True, False])
-        [True, False]
+        >>> j = jax.make_jaxpr(lambda a, b: (a * 2, b + a))(1.0, 2.0).jaxpr
+        >>> input_masks(j)
+        [1, 3]
     """
-    Var = jex_core.Var
-    dep = {v for v, m in zip(jaxpr.invars, mask, strict=True) if m}
+    masks = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
     for eqn in jaxpr.eqns:
-        if any(isinstance(v, Var) and v in dep for v in eqn.invars):
-            dep.update(eqn.outvars)
-    return [isinstance(v, Var) and v in dep for v in jaxpr.outvars]
+        m = 0
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                m |= masks.get(v, 0)
+        if m:
+            for v in eqn.outvars:
+                masks[v] = m
+    return [masks.get(v, 0) if isinstance(v, Var) else 0 for v in jaxpr.outvars]

@@ -140,16 +140,18 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, **exampl
             "memory_report: nothing in the call is differentiable (no floating parameters or "
             "array arguments), so there is no backward to measure."
         )
-    fn = flat_apply(apply, var_treedef, arg_treedef, slots)
+    fn = flat_apply(lambda v, *a, **k: (apply(v, *a, **k), [], None), var_treedef,
+                    arg_treedef, slots)
     program = Program(fn, specs, name=f"memory_report({type(target).__name__})")
     compiled = program.compile_for_report()
+    residual_specs = program.residual_map().residual_specs
     (fwd, fwd_s), (bwd, bwd_s) = compiled["forward_with_residuals"], compiled["backward"]
     fwd_mem, bwd_mem = fwd.memory_analysis(), bwd.memory_analysis()
     return MemoryReport(
-        held_bytes=_nbytes(program.residual_specs),
+        held_bytes=_nbytes(residual_specs),
         param_bytes=_nbytes(s for s, p in zip(specs, param_mask, strict=False) if p),
         forward_temp_bytes=getattr(fwd_mem, "temp_size_in_bytes", None),
         backward_temp_bytes=getattr(bwd_mem, "temp_size_in_bytes", None),
         compile_seconds=fwd_s + bwd_s,
-        residual_count=len(program.residual_specs),
+        residual_count=len(residual_specs),
     )

@@ -1,18 +1,17 @@
 """Compiled forward / residual / backward programs for one call signature.
 
-``Program`` turns a function of a flat list of array leaves into three jitted programs:
+``Program(fn, specs)`` compiles, for one signature, the programs a torch caller needs over
+one flat list of array leaves (the owner's variables first, then the call's arrays):
 
-* ``forward(leaves) -> outputs``
-* ``forward_with_residuals(leaves) -> (outputs, residuals)``
-* ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> grads``
-* ``backward_recompute(leaves, cotangents) -> grads`` (forward rerun inside the backward)
+* ``forward(leaves) -> results``: outputs then aux leaves; nothing kept for a backward;
+* ``forward_with_residuals(leaves) -> (results, residuals)``;
+* ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> gradients``;
+* ``backward_recompute(leaves, cotangents) -> gradients`` (forward rerun inside).
 
-A jitted ``jax.vjp`` would return the VJP's leaves as fresh output buffers, and those
-include the primal inputs themselves (every parameter): for a 64-layer stack, 129 MB held
-instead of 1 MB. While tracing the forward we therefore map each VJP leaf, by identity, to
-an input leaf, an output leaf or a true residual; only true residuals leave the forward,
-and the backward rebuilds the VJP from the arrays the caller passes again (see
-``flaxside/README.md``).
+What the first trace of ``forward_with_residuals`` learns (which VJP leaf is an input, an
+output or a true residual, how residuals are packed) is returned as one frozen
+``ResidualMap``; see ``flaxside/README.md``. Gradients follow torch's convention for
+complex leaves (the conjugate of JAX's), since the caller hands them to torch.
 """
 
 from __future__ import annotations
@@ -20,13 +19,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxside._depends import depends_on
+from flaxside._depends import input_masks
+from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
 
@@ -50,13 +51,33 @@ def is_differentiable(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-class StaleSignature(ValueError):
-    """A leaf reached a compiled program with another shape or dtype than it was built for."""
+@dataclasses.dataclass(frozen=True)
+class ResidualMap:
+    """How the backward rebuilds the VJP that ``forward_with_residuals`` traced.
 
+    Attributes:
+        vjp_treedef: the treedef of the ``jax.vjp`` function object.
+        sources: per VJP leaf, ``("in", i)`` (``saved_inputs[i]``), ``("out", i)``
+            (``saved_outputs[i]``) or ``("res", i)`` (the i-th residual, unpacked).
+        saved_inputs: indices of the input leaves the backward is passed again.
+        saved_outputs: indices of the results the backward is passed again.
+        key_impls: per unpacked residual, the PRNG implementation of a typed key that
+            crosses as raw key data, else ``None``.
+        pack: per unpacked residual, ``("alone", buffer)`` or ``("packed", buffer,
+            offset, shape)``: where it sits in what the forward returns.
+        residual_specs: the residual buffers as they leave the forward.
+        offloaded: per residual buffer, whether an offloading policy put it in host
+            memory (it reaches the backward as a plain array, like every other).
+    """
 
-def _leaf_path(treedef, index: int):
-    paths = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
-    return paths[index][0]
+    vjp_treedef: Any
+    sources: tuple[tuple[str, int], ...]
+    saved_inputs: tuple[int, ...]
+    saved_outputs: tuple[int, ...]
+    key_impls: tuple
+    pack: tuple
+    residual_specs: tuple[LeafSpec, ...]
+    offloaded: tuple[bool, ...]
 
 
 def _distinct(results: list, inputs: Sequence) -> list:
@@ -84,45 +105,46 @@ def _pack(residuals: list):
     """Concatenates small residuals into one flat buffer per dtype, inside the program.
 
     Every residual crosses to torch as a tensor and back (converted, saved, unpacked,
-    converted again): on a 64-block unrolled stack that was 896 tensors per call and half
-    of the call's time. Packed, the small ones cross as one buffer per dtype and are sliced
+    converted again), a cost per tensor that dominated calls of unrolled stacks with many
+    small residuals. Packed, the small ones cross as one buffer per dtype and are sliced
     back inside the backward; large ones still cross alone, without a copy.
 
     Returns:
-        ``(buffers, layout)``: the residuals as they leave the program, and per original
+        ``(buffers, placement)``: the residuals as they leave the program, and per original
         residual ``("alone", i)`` or ``("packed", i, offset, shape)`` into ``buffers``.
     """
-    alone, groups, layout = [], {}, []
+    alone, groups, placement = [], {}, []
     for r in residuals:
         # Residuals an offloading policy put in host memory stay alone (and stay there).
         if r.size * r.dtype.itemsize > PACK_BYTES or _memory_space(r) != "device":
-            layout.append(("alone", len(alone)))
+            placement.append(("alone", len(alone)))
             alone.append(r)
         else:
             group = groups.setdefault(np.dtype(r.dtype), [])
             offset = sum(x.size for x in group)
-            layout.append(("packed", np.dtype(r.dtype), offset, r.shape))
+            placement.append(("packed", np.dtype(r.dtype), offset, r.shape))
             group.append(r)
     if sum(len(g) for g in groups.values()) < 2:  # nothing to gain: keep them as they are
         return list(residuals), tuple(("alone", i) for i in range(len(residuals)))
     order = {dt: len(alone) + i for i, dt in enumerate(groups)}
     buffers = alone + [jnp.concatenate([x.reshape(-1) for x in g]) for g in groups.values()]
-    layout = tuple(
+    placement = tuple(
         entry if entry[0] == "alone" else ("packed", order[entry[1]], entry[2], entry[3])
-        for entry in layout
+        for entry in placement
     )
-    return buffers, layout
+    return buffers, placement
 
 
 def _memory_space(x) -> str:
-    space = getattr(jax.typeof(x), "memory_space", None)
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
+    space = getattr(aval, "memory_space", None)
     return "device" if space is None else str(getattr(space, "name", space)).lower()
 
 
-def _unpack(buffers: list, layout) -> list:
+def _unpack(buffers: list, placement) -> list:
     """The residuals ``_pack`` was given, sliced back out of its buffers."""
     out = []
-    for entry in layout:
+    for entry in placement:
         if entry[0] == "alone":
             out.append(buffers[entry[1]])
         else:
@@ -136,104 +158,148 @@ def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _internal_assert(condition: bool, message: str) -> None:
+def _conj(x):
+    """Torch's complex convention at the boundary (identity for real dtypes)."""
+    return jnp.conj(x) if jnp.iscomplexobj(x) else x
+
+
+def internal_assert(condition: bool, message: str) -> None:
+    """Raises when flaxtorch's own invariant breaks: a bug of ours, never the user's."""
     if not condition:
         raise AssertionError(
             f"flaxtorch internal error: {message}. This is a bug in flaxtorch; please report it."
         )
 
 
+def _output_name(treedef, index: int) -> str:
+    paths = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
+    path = jtu.keystr(paths[index][0])
+    return f"output {path}" if path else "the output"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """What one trace of ``fn`` returns besides arrays; equal for every trace."""
+
+    out_treedef: Any
+    n_out: int
+    static: Hashable
+
+
 class Program:
     """The compiled programs for one function and one call signature.
 
-    Built once per signature; everything that depends only on the signature (treedefs,
-    which leaves are differentiated, which outputs carry gradients, the residual map) is
-    fixed here or during the first trace, so a call does only the dispatch itself.
+    Built once per signature. One abstract trace at construction fixes the output structure,
+    which results carry gradients and which inputs each result reads; the residual map is
+    fixed by the first lowering of ``forward_with_residuals``. A call does only the dispatch.
 
     Args:
-        fn: a function of the flat list of leaves returning a pytree of arrays, or
-            ``(outputs, aux)`` with ``has_aux``: aux leaves (e.g. updated Flax
-            collections) come after the outputs and never carry gradients.
+        fn: ``fn(leaves) -> (outputs, aux, static)``: ``outputs`` a pytree of arrays, ``aux``
+            a list of arrays that never carry gradients (e.g. updated Flax collections) and
+            ``static`` a hashable Python value that every trace returns equal (e.g. which
+            state the aux leaves replace).
         specs: one ``LeafSpec`` per leaf; ``diff`` marks the leaves to differentiate.
-        has_aux: whether ``fn`` returns ``(outputs, aux)``.
         name: used in error messages.
+        fence: every program takes one more array after its arguments and waits until it
+            is ready (see ``bridge``'s ordering note); kept even though nothing reads it.
 
     Attributes:
         out_specs: one ``LeafSpec`` per output then aux leaf; ``diff`` marks the outputs
             that depend on a differentiated leaf (the only ones that take a cotangent).
         n_out: how many of ``out_specs`` are outputs (the rest are aux).
+        out_treedef: the structure of the outputs.
+        static: the ``static`` value ``fn`` returned.
+        reads: per leaf, whether any result depends on it.
+        grad_reach: per differentiable output (``diff_out_index`` order), a bitmask over
+            ``diff_index`` positions of the leaves it depends on.
 
     Example:
-        >>> p = Program(lambda xs: xs[0] * xs[1], [LeafSpec((2,), np.float32, True)] * 2)
+        >>> fn = lambda xs: (xs[0] * xs[1], [], None)
+        >>> p = Program(fn, [LeafSpec((2,), np.float32, True)] * 2)
         >>> out, res = p.forward_with_residuals([np.ones(2, np.float32)] * 2)
     """
 
-    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, has_aux: bool = False,
-                 name: str = "program"):
+    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, name: str = "program",
+                 fence: bool = False):
         self.fn = fn
         self.specs = tuple(specs)
-        self.has_aux = has_aux
         self.name = name
+        self.fence = fence
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
         self.trace_count = 0
         self._lock = threading.Lock()
-        closed = jax.make_jaxpr(self._flat_fn)([s.aval for s in self.specs])
-        self.trace_count = 0  # shape and dependency bookkeeping, not a compile
-        depends = depends_on(closed.jaxpr, [s.diff for s in self.specs])
+        found = []
+
+        def abstract(leaves):
+            results, structure = self._results(leaves)
+            found.append(structure)
+            return results
+
+        closed = jax.make_jaxpr(abstract)([s.aval for s in self.specs])
+        (self._structure,) = found
+        self.out_treedef = self._structure.out_treedef
+        self.n_out = self._structure.n_out
+        self.static = self._structure.static
+        masks = input_masks(closed.jaxpr)
+        diff_bits = sum(1 << i for i in self.diff_index)
         self.out_specs = tuple(
-            LeafSpec(o.shape, np.dtype(o.dtype), k < self.n_out and dep
-                     and is_differentiable(o.dtype))
-            for k, (o, dep) in enumerate(zip(closed.out_avals, depends, strict=True))
+            LeafSpec(tuple(o.shape), np.dtype(o.dtype),
+                     k < self.n_out and bool(m & diff_bits) and is_differentiable(o.dtype))
+            for k, (o, m) in enumerate(zip(closed.out_avals, masks, strict=True))
         )
         self.diff_out_index = tuple(k for k, s in enumerate(self.out_specs) if s.diff)
-        # Filled by the first trace of forward_with_residuals.
-        self._vjp_treedef = None
-        self._vjp_sources: tuple[tuple[str, int], ...] = ()
-        self.saved_input_index: tuple[int, ...] = ()
-        self.saved_output_index: tuple[int, ...] = ()
-        self.residual_specs: tuple[LeafSpec, ...] = ()
-        self._forward = jax.jit(self._flat_fn)
-        self._forward_res = jax.jit(self._fwd_res)
-        self._backward = jax.jit(self._bwd)
-        self._backward_re = jax.jit(self._bwd_recompute)
+        used = 0
+        for m in masks:
+            used |= m
+        self.reads = tuple(bool(used >> i & 1) for i in range(len(self.specs)))
+        self.grad_reach = tuple(
+            sum(1 << p for p, i in enumerate(self.diff_index) if masks[k] >> i & 1)
+            for k in self.diff_out_index
+        )
+        self._residual_map: ResidualMap | None = None
+        self._fwd_res_lowered = None
+        self._forward_exe = None
+        self._fwd_res_exe = None
+        self._backward_exe = None
+        self._backward_re_exe = None
 
     # -- traced bodies -----------------------------------------------------------------
-    def _flat_fn(self, leaves):
-        self.trace_count += 1
-        for spec, leaf in zip(self.specs, leaves, strict=True):
-            if leaf.shape != spec.shape or leaf.dtype != spec.dtype:
-                raise StaleSignature(
-                    f"{self.name}: compiled for {spec.dtype}{list(spec.shape)} but called "
-                    f"with {leaf.dtype}{list(leaf.shape)}"
-                )
-        result = self.fn(list(leaves))
-        out, aux = result if self.has_aux else (result, ())
-        out_leaves, self.out_treedef = jtu.tree_flatten(out)
-        aux_leaves, self.aux_treedef = jtu.tree_flatten(aux)
-        self.n_out = len(out_leaves)
+    def _results(self, leaves) -> tuple[list, _Structure]:
+        """``fn`` on the leaves: results (outputs then aux, never aliasing an input)."""
+        out, aux, static = self.fn(list(leaves))
+        out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
             if not isinstance(leaf, jax.Array | np.ndarray | bool | int | float | complex):
                 raise TypeError(
-                    f"{self.name}: output {jtu.keystr(_leaf_path(self.out_treedef, i))} of "
-                    f"the function is a {type(leaf).__name__}, but only arrays can cross to "
-                    f"torch. Return arrays (or a tuple/list/dict of arrays) from the module."
+                    f"{self.name}: {_output_name(out_treedef, i)} of the function is a "
+                    f"{type(leaf).__name__}, which is not an array: only arrays can cross to "
+                    f"torch. Return arrays (or a tuple/list/dict of arrays), or register "
+                    f"{type(leaf).__name__} as a pytree (flax.struct.dataclass, "
+                    f"jax.tree_util.register_dataclass)."
                 )
             if isinstance(leaf, jax.Array) and _is_key(leaf):
                 raise TypeError(
-                    f"{self.name}: output {jtu.keystr(_leaf_path(self.out_treedef, i))} of "
-                    f"the function is a typed PRNG key array ({leaf.dtype}), which torch "
-                    f"cannot hold. Return jax.random.key_data(key) instead."
+                    f"{self.name}: {_output_name(out_treedef, i)} of the function is a typed "
+                    f"PRNG key array ({leaf.dtype}), which torch cannot hold. Return "
+                    f"jax.random.key_data(key) instead."
                 )
-        return _distinct([jnp.asarray(x) for x in out_leaves + aux_leaves], leaves)
+        results = _distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
+        return results, _Structure(out_treedef, len(out_leaves), static)
+
+    def _traced_results(self, leaves) -> list:
+        results, structure = self._results(leaves)
+        internal_assert(structure == self._structure,
+                        f"{self.name} traced to another output structure than at construction")
+        return results
 
     def _vjp(self, leaves):
-        """``jax.vjp`` over the diff leaves: ``(outputs + aux, vjp)``."""
+        """``jax.vjp`` over the diff leaves: ``(results, vjp)``."""
 
         def differentiated(*diff):
             full = list(leaves)
             for i, x in zip(self.diff_index, diff, strict=True):
                 full[i] = x
-            results = self._flat_fn(full)
+            results = self._traced_results(full)
             return results[: self.n_out], results[self.n_out :]
 
         outs, vjp, aux = jax.vjp(
@@ -242,124 +308,174 @@ class Program:
         return list(outs) + list(aux), vjp
 
     def _cotangents(self, cotangents):
+        """Full cotangents for the outputs from those of the differentiable ones."""
         cots = iter(cotangents)
         full = []
         for s in self.out_specs[: self.n_out]:
             if s.diff:
-                full.append(next(cots))
+                full.append(_conj(next(cots)))
             elif is_differentiable(s.dtype):
                 full.append(jnp.zeros(s.shape, s.dtype))
             else:
                 full.append(np.zeros(s.shape, jax.dtypes.float0))
         return full
 
-    def _fwd_res(self, leaves):
-        leaves = list(leaves)
-        outs, vjp = self._vjp(leaves)
-        vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
-        by_id_in = {id(x): j for j, x in enumerate(leaves)}
-        by_id_out = {id(x): k for k, x in enumerate(outs)}
-        sources, residuals, saved_in, saved_out, by_id_res = [], [], {}, {}, {}
-        for leaf in vjp_leaves:
-            if id(leaf) in by_id_res:
-                sources.append(("res", by_id_res[id(leaf)]))
-            elif id(leaf) in by_id_in:
-                j = by_id_in[id(leaf)]
-                sources.append(("in", saved_in.setdefault(j, len(saved_in))))
-            elif id(leaf) in by_id_out:
-                k = by_id_out[id(leaf)]
-                sources.append(("out", saved_out.setdefault(k, len(saved_out))))
-            else:
-                by_id_res[id(leaf)] = len(residuals)
-                sources.append(("res", len(residuals)))
-                residuals.append(jnp.asarray(leaf))
-        # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
-        # leave as raw key data and are wrapped again, with the same implementation, inside
-        # the backward.
-        self._key_impls = tuple(
-            jax.random.key_impl(r) if _is_key(r) else None for r in residuals
-        )
-        residuals = [jax.random.key_data(r) if _is_key(r) else r for r in residuals]
-        self._vjp_treedef = vjp_treedef
-        self._vjp_sources = tuple(sources)
-        self.saved_input_index = tuple(saved_in)
-        self.saved_output_index = tuple(saved_out)
-        residuals, self._pack_layout = _pack(residuals)
-        self.residual_specs = tuple(LeafSpec(r.shape, np.dtype(r.dtype)) for r in residuals)
-        return outs, residuals
-
-    def _bwd(self, saved_inputs, saved_outputs, residuals, cotangents):
+    def _forward_body(self, leaves, *fence):
         self.trace_count += 1
-        residuals = _unpack(list(residuals), self._pack_layout)
+        return self._traced_results(leaves)
+
+    def _forward_res_body(self, leaves) -> tuple[list, list, ResidualMap]:
+        self.trace_count += 1
+        leaves = list(leaves)
+        results, vjp = self._vjp(leaves)
+        vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
+        known = {id(x): ("in", j) for j, x in enumerate(leaves)}
+        for k, x in enumerate(results):
+            known.setdefault(id(x), ("out", k))
+        labels, residuals = label_leaves(vjp_leaves, known)
+        saved = {"in": {}, "out": {}}  # leaf index -> position among what is passed again
+        sources = tuple(
+            (kind, i) if kind == "res" else (kind, saved[kind].setdefault(i, len(saved[kind])))
+            for kind, i in labels
+        )
+        # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
+        # leave as raw key data and are wrapped again, with the same implementation.
+        key_impls = tuple(jax.random.key_impl(r) if _is_key(r) else None for r in residuals)
+        residuals = [jax.random.key_data(r) if _is_key(r) else r for r in residuals]
+        buffers, pack = _pack(residuals)
+        residual_map = ResidualMap(
+            vjp_treedef=vjp_treedef, sources=sources, saved_inputs=tuple(saved["in"]),
+            saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=pack,
+            residual_specs=tuple(LeafSpec(tuple(b.shape), np.dtype(b.dtype)) for b in buffers),
+            offloaded=tuple(_memory_space(b) != "device" for b in buffers),
+        )
+        return results, buffers, residual_map
+
+    def _backward_body(self, saved_inputs, saved_outputs, residuals, cotangents, *fence):
+        self.trace_count += 1
+        rmap = self._residual_map
         residuals = [
             r if impl is None else jax.random.wrap_key_data(r, impl=impl)
-            for r, impl in zip(residuals, self._key_impls, strict=True)
+            for r, impl in zip(_unpack(list(residuals), rmap.pack), rmap.key_impls, strict=True)
         ]
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
-        vjp_leaves = [pools[kind][i] for kind, i in self._vjp_sources]
-        vjp = jtu.tree_unflatten(self._vjp_treedef, vjp_leaves)
-        grads = vjp(self._cotangents(cotangents))
-        return _distinct(list(grads), list(cotangents) + list(saved_inputs)
-                         + list(saved_outputs) + list(residuals))
+        vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
+        grads = [_conj(g) for g in vjp(self._cotangents(cotangents))]
+        return _distinct(grads, list(cotangents) + list(saved_inputs) + list(saved_outputs)
+                         + list(residuals))
 
-    def _bwd_recompute(self, leaves, cotangents):
+    def _backward_recompute_body(self, leaves, cotangents, *fence):
+        self.trace_count += 1
         _, vjp = self._vjp(list(leaves))
-        grads = vjp(self._cotangents(cotangents))
-        return _distinct(list(grads), list(cotangents) + list(leaves))
+        grads = [_conj(g) for g in vjp(self._cotangents(cotangents))]
+        return _distinct(grads, list(cotangents) + list(leaves))
+
+    # -- compilation -------------------------------------------------------------------
+    def _fence_avals(self) -> tuple:
+        return (jax.ShapeDtypeStruct((1,), np.uint8),) if self.fence else ()
+
+    def _compile(self, body: Callable, *avals):
+        return jax.jit(body, keep_unused=self.fence).lower(*avals, *self._fence_avals()).compile()
+
+    def residual_map(self) -> ResidualMap:
+        """The residual map; the first call traces and lowers ``forward_with_residuals``."""
+        if self._residual_map is None:
+            with self._lock:
+                if self._residual_map is None:
+                    found = []
+
+                    def body(leaves, *fence):
+                        results, buffers, residual_map = self._forward_res_body(leaves)
+                        found.append(residual_map)
+                        return results, buffers
+
+                    lowered = jax.jit(body, keep_unused=self.fence).lower(
+                        [s.aval for s in self.specs], *self._fence_avals())
+                    (residual_map,) = found
+                    self._fwd_res_lowered = lowered
+                    self._residual_map = residual_map
+        return self._residual_map
+
+    def _backward_avals(self, rmap: ResidualMap) -> tuple:
+        return (
+            [self.specs[j].aval for j in rmap.saved_inputs],
+            [self.out_specs[k].aval for k in rmap.saved_outputs],
+            [s.aval for s in rmap.residual_specs],
+            [self.out_specs[k].aval for k in self.diff_out_index],
+        )
+
+    def _executable(self, attr: str, make: Callable):
+        exe = getattr(self, attr)
+        if exe is None:
+            with self._lock:
+                exe = getattr(self, attr)
+                if exe is None:
+                    exe = make()
+                    setattr(self, attr, exe)
+        return exe
 
     # -- calls -------------------------------------------------------------------------
-    def forward(self, leaves: Sequence) -> list[jax.Array]:
+    def forward(self, leaves: Sequence, *fence) -> list[jax.Array]:
         """Outputs (then aux) only: nothing is kept for a backward."""
-        return self._forward(leaves)
+        exe = self._forward_exe or self._executable(
+            "_forward_exe",
+            lambda: self._compile(self._forward_body, [s.aval for s in self.specs]))
+        return exe(leaves, *fence)
 
-    def forward_with_residuals(self, leaves: Sequence) -> tuple[list, list]:
+    def forward_with_residuals(self, leaves: Sequence, *fence) -> tuple[list, list]:
         """Outputs (then aux) and the residuals the backward needs beyond inputs and outputs."""
-        if self._vjp_treedef is None:
-            with self._lock:  # the residual map is written by the first trace only
-                return self._forward_res(leaves)
-        return self._forward_res(leaves)
+        exe = self._fwd_res_exe
+        if exe is None:
+            self.residual_map()
+            exe = self._executable("_fwd_res_exe", lambda: self._fwd_res_lowered.compile())
+        return exe(leaves, *fence)
+
+    def backward(self, saved_inputs, saved_outputs, residuals, cotangents,
+                 *fence) -> list[jax.Array]:
+        """Gradients of the ``diff`` leaves, in order (torch's convention for complex ones).
+
+        Args:
+            saved_inputs: the input leaves at ``residual_map().saved_inputs``, passed again.
+            saved_outputs: the results at ``residual_map().saved_outputs``.
+            residuals: what ``forward_with_residuals`` returned as residuals.
+            cotangents: one per differentiable output (``diff_out_index``).
+            *fence: the ordering array, with ``fence=True``.
+        """
+        exe = self._backward_exe
+        if exe is None:
+            internal_assert(self._residual_map is not None,
+                            "backward before forward_with_residuals")
+            exe = self._executable("_backward_exe", lambda: self._compile(
+                self._backward_body, *self._backward_avals(self._residual_map)))
+        return exe(saved_inputs, saved_outputs, residuals, cotangents, *fence)
+
+    def backward_recompute(self, leaves: Sequence, cotangents: Sequence,
+                           *fence) -> list[jax.Array]:
+        """Gradients of the ``diff`` leaves, rerunning the forward inside one program.
+
+        Like ``torch.utils.checkpoint`` around the whole block: nothing but the inputs is
+        held between ``forward`` and this call.
+        """
+        exe = self._backward_re_exe or self._executable(
+            "_backward_re_exe", lambda: self._compile(
+                self._backward_recompute_body, [s.aval for s in self.specs],
+                [self.out_specs[k].aval for k in self.diff_out_index]))
+        return exe(leaves, cotangents, *fence)
 
     def compile_for_report(self) -> dict[str, tuple[jax.stages.Compiled, float]]:
         """Lowers and compiles ``forward_with_residuals`` and ``backward`` from the specs alone.
 
-        No data is needed or allocated; the first lowering fixes the residual map, like a
-        first call. Used by ``flaxside.memory_report``; calls still compile on their own.
+        No data is needed or allocated. Used by ``flaxside.memory_report``.
 
         Returns:
             ``{"forward_with_residuals": (compiled, seconds), "backward": (compiled,
             seconds)}``, seconds covering trace, lowering and compilation.
         """
         start = time.perf_counter()
-        with self._lock:
-            fwd = self._forward_res.lower([s.aval for s in self.specs]).compile()
+        rmap = self.residual_map()
+        fwd = self._executable("_fwd_res_exe", lambda: self._fwd_res_lowered.compile())
         mid = time.perf_counter()
-        avals = (
-            [self.specs[j].aval for j in self.saved_input_index],
-            [self.out_specs[k].aval for k in self.saved_output_index],
-            [s.aval for s in self.residual_specs],
-            [self.out_specs[k].aval for k in self.diff_out_index],
-        )
-        bwd = self._backward.lower(*avals).compile()
+        bwd = self._executable("_backward_exe", lambda: self._compile(
+            self._backward_body, *self._backward_avals(rmap)))
         end = time.perf_counter()
         return {"forward_with_residuals": (fwd, mid - start), "backward": (bwd, end - mid)}
-
-    def backward(self, saved_inputs, saved_outputs, residuals, cotangents) -> list[jax.Array]:
-        """Gradients of the ``diff`` leaves, in order.
-
-        Args:
-            saved_inputs: the input leaves at ``saved_input_index``, passed again.
-            saved_outputs: the output leaves at ``saved_output_index``.
-            residuals: what ``forward_with_residuals`` returned as residuals.
-            cotangents: one per differentiable output (``diff_out_index``).
-        """
-        _internal_assert(self._vjp_treedef is not None, "backward before forward_with_residuals")
-        return self._backward(list(saved_inputs), list(saved_outputs), list(residuals),
-                              list(cotangents))
-
-    def backward_recompute(self, leaves: Sequence, cotangents: Sequence) -> list[jax.Array]:
-        """Gradients of the ``diff`` leaves, rerunning the forward inside one program.
-
-        Like ``torch.utils.checkpoint`` around the whole block: nothing but the inputs is
-        held between ``forward`` and this call.
-        """
-        return self._backward_re(list(leaves), list(cotangents))

@@ -5,13 +5,11 @@ to)? Its transpose hands each outer iteration a *slice* of the stacked parameter
 (``P[i]``, ``l1`` layers) and returns that iteration's gradients as a fresh ``l1``-layer
 stack that is then written into the full one. On CPU, XLA materializes all of it: per
 step, one copy of every parameter in the forward and in the backward, a zero fill and a
-copy of every gradient: at depth 64, width 512 a step writes 2.4 GB instead of 1.1 GB, and
-stock ``nn.remat_scan(lengths=(8, 8))`` took 1.5x to 1.8x the time of
-``nn.scan(nn.remat(...))`` where one more forward should cost 1.25x
-(``examples/stack_speed.py``). Here every level reads layer ``i`` straight from the one
-flat parameter stack and writes its gradient straight into one flat gradient stack that
-the nested loops carry, so no level copies a segment of parameters or gradients (1.35 GB
-per step, 1.1x to 1.2x the time).
+copy of every gradient, which made stock ``nn.remat_scan`` much slower than the one more
+forward per level it should cost (``examples/stack_speed.py`` measures both; README has
+the figures). Here every level reads layer ``i`` straight from the one flat parameter
+stack and writes its gradient straight into one flat gradient stack that the nested loops
+carry, so no level copies a segment of parameters or gradients.
 
 Memory is the same as nested remat-scan: the forward keeps ``lengths[0]`` carries; the
 backward of one outer segment recomputes its ``lengths[1]`` carries, and so on; the
@@ -26,6 +24,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
 
@@ -75,7 +75,7 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
     # Layers per child segment at each level; the innermost level's children are layers.
     child = tuple(math.prod(lengths[k + 1 :]) for k in range(levels))
     checkpointed = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
-    vjp_layout = {}  # filled when the innermost forward is traced, read by its backward
+    vjp_labels = {}  # filled when the innermost forward is traced, read by its backward
 
     def run(flat, consts, start, count, c):
         def body(t, c):
@@ -95,13 +95,8 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
             known = {id(i): ("i", 0)}
             known.update({id(x): ("p", k) for k, x in enumerate(jtu.tree_leaves(p))})
             known.update({id(x): ("k", k) for k, x in enumerate(jtu.tree_leaves(consts))})
-            sources, residuals = [], []
-            for leaf in leaves:
-                if id(leaf) not in known:  # a residual, stacked once even if it repeats
-                    known[id(leaf)] = ("r", len(residuals))
-                    residuals.append(leaf)
-                sources.append(known[id(leaf)])
-            vjp_layout["treedef"], vjp_layout["sources"] = treedef, tuple(sources)
+            sources, residuals = label_leaves(leaves, known)
+            vjp_labels["treedef"], vjp_labels["sources"] = treedef, sources
             return out, residuals
 
         return lax.scan(body, c, jnp.arange(lengths[-1]))
@@ -111,10 +106,10 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
             ct, grads = state
             t, residuals = xs
             i = start + t
-            pools = {"i": [i], "p": jtu.tree_leaves(_take(flat, i)), "r": residuals,
+            pools = {"i": [i], "p": jtu.tree_leaves(_take(flat, i)), "res": residuals,
                      "k": jtu.tree_leaves(consts)}
-            leaves = [pools[kind][k] for kind, k in vjp_layout["sources"]]
-            g, ct = jtu.tree_unflatten(vjp_layout["treedef"], leaves)(ct)
+            leaves = [pools[kind][k] for kind, k in vjp_labels["sources"]]
+            g, ct = jtu.tree_unflatten(vjp_labels["treedef"], leaves)(ct)
             return (ct, _put(grads, i, g)), None
 
         xs = (jnp.arange(lengths[-1]), saved)

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 
 import flaxside
-from flaxside import ARRAY, LeafSpec, Program, flat_apply
+from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply
 from tests.twins import NnxResidualMLPBlock, ResidualMLPBlock, ScanRematStack, ScanStack
 from torchside import FlaxModule
 
@@ -28,7 +28,8 @@ def _residuals_of_a_real_call(module, variables, x):
     var_leaves, var_treedef = jtu.tree_flatten(variables)
     _, arg_treedef = jtu.tree_flatten(((x,), {}))
     specs = [LeafSpec(a.shape, np.dtype(a.dtype), True) for a in [*var_leaves, x]]
-    program = Program(flat_apply(module.apply, var_treedef, arg_treedef, (ARRAY,)), specs)
+    apply = lambda v, x: (module.apply(v, x), [], None)  # noqa: E731 - Program's contract
+    program = Program(flat_apply(apply, var_treedef, arg_treedef, (ARRAY,)), specs)
     _, residuals = program.forward_with_residuals([*var_leaves, x])
     return residuals
 
@@ -92,14 +93,15 @@ def test_errors():
 def test_compile_for_report_then_calls_agree_with_jax_vjp():
     rng = np.random.default_rng(1)
     w, x, ct = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((W, W), (B, W), (B, W)))
-    program = Program(lambda xs: jnp.tanh(xs[1] @ xs[0]),
+    program = Program(lambda xs: (jnp.tanh(xs[1] @ xs[0]), [], None),
                       [LeafSpec((W, W), np.dtype(np.float32), True),
                        LeafSpec((B, W), np.dtype(np.float32), True)])
     compiled = program.compile_for_report()
     assert set(compiled) == {"forward_with_residuals", "backward"}
     out, res = program.forward_with_residuals([w, x])
-    saved_in = [[w, x][j] for j in program.saved_input_index]
-    saved_out = [out[k] for k in program.saved_output_index]
+    rmap = program.residual_map()
+    saved_in = [[w, x][j] for j in rmap.saved_inputs]
+    saved_out = [out[k] for k in rmap.saved_outputs]
     grads = program.backward(saved_in, saved_out, res, [ct])
     want_out, pull = jax.vjp(lambda w, x: jnp.tanh(x @ w), w, x)
     torch.testing.assert_close([torch.from_numpy(np.array(a)) for a in [*out, *grads]],

@@ -31,8 +31,8 @@ def _inputs(batch=4, grad=True):
 
 
 def _jax_variables(module: FlaxModule):
-    params = [jnp.asarray(t.detach().numpy()) for t in module.state_dict().values()]
-    return jax.tree_util.tree_unflatten(module._var_treedef, params)
+    """Fresh copies of the module's current variables, as Flax variables."""
+    return jax.tree_util.tree_map(jnp.array, module.flax_variables())
 
 
 def test_parameters_are_torch_owned_with_flax_names():
@@ -84,7 +84,7 @@ def test_gradients_reach_parameters_and_inputs_that_require_grad():
 def test_inputs_without_grad_cost_no_gradient_work():
     m = FlaxModule(TwoHeads(), example_args=(_inputs(),))
     m(_inputs(grad=False))
-    (entry,) = m._caller.entries
+    (entry,) = m._caller.calls
     n_params = len(list(m.parameters()))
     assert entry.program.diff_index == tuple(range(n_params))  # parameters only
 
@@ -93,19 +93,19 @@ def test_no_grad_runs_plain_forward_and_holds_nothing():
     m = FlaxModule(TwoHeads(), example_args=(_inputs(),))
     with torch.no_grad():
         out = m(_inputs())
-    (entry,) = m._caller.entries
+    (entry,) = m._caller.calls
     assert out["y"].grad_fn is None and entry.program.diff_index == ()
-    assert entry.program.trace_count == 1 and not entry.traced  # no residual program
+    assert entry.program.trace_count == 1  # the plain forward only: no residual program
 
 
 def test_repeated_calls_do_not_retrace_and_new_batch_compiles_once():
     m = FlaxModule(ResidualMLPBlock(8), example_args=(torch.zeros(2, 8),))
     for _ in range(3):
         m(torch.randn(4, 8, requires_grad=True)).backward(torch.randn(4, 8))
-    assert m.trace_count == 2 and len(m._caller.entries) == 1
+    assert m.trace_count == 2 and len(m._caller.calls) == 1
     for _ in range(3):
         m(torch.randn(6, 8, requires_grad=True)).backward(torch.randn(6, 8))
-    assert m.trace_count == 4 and len(m._caller.entries) == 2
+    assert m.trace_count == 4 and len(m._caller.calls) == 2
 
 
 def test_outputs_are_ready_before_forward_returns():
@@ -148,9 +148,9 @@ def test_saved_tensor_hooks_see_residuals_and_inplace_write_is_caught():
     x = torch.randn(3, 8, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         y = m(x)
-    (entry,) = m._caller.entries
-    n_saved = (len(entry.program.saved_input_index) + len(entry.program.saved_output_index)
-               + len(entry.program.residual_specs))
+    (entry,) = m._caller.calls
+    rmap = entry.program.residual_map()
+    n_saved = len(rmap.saved_inputs) + len(rmap.saved_outputs) + len(rmap.residual_specs)
     assert len(packed) == n_saved > 0
     y = m(x)  # saved-tensor hooks switch off torch's version check, so call again without
     with torch.no_grad():

@@ -53,7 +53,7 @@ def test_stack_matches_jax_vjp_and_checkpointed_torch_twin(stack, dtypes):
     y.backward(ct)
 
     # (a) jax.vjp of the pure apply on the same variables
-    variables = jax.tree_util.tree_unflatten(ours._var_treedef, [_np(p) for p in ours.parameters()])
+    variables = jax.tree_util.tree_map(np.array, ours.flax_variables())  # fresh copies
     y_ref, vjp = jax.vjp(module.apply, variables, _np(x))
     g_vars, g_x = vjp(_np(ct))
     tol = _tols(tdtype)

@@ -1,7 +1,7 @@
 """torch side: the autograd.Function, FlaxModule, jax_function and parity helpers."""
 
 from torchside import parity as parity
-from torchside._function import BridgeFunction as BridgeFunction
+from torchside._call import BridgeFunction as BridgeFunction
 from torchside._jax_function import JaxFunction as JaxFunction
 from torchside._jax_function import jax_function as jax_function
 from torchside._module import FlaxModule as FlaxModule

@@ -1,99 +1,69 @@
-"""The torch.compile path: the bridge call as torch.library custom ops.
+"""The torch.compile path: a FlaxModule call as two torch.library custom ops.
 
-Dynamo cannot trace JAX, so under ``torch.compile`` a ``FlaxModule`` call becomes two
-custom ops that Dynamo treats as opaque (the PyTorch docs' way to wrap a foreign library):
+Dynamo cannot trace JAX, so under ``torch.compile`` a call becomes two ops Dynamo treats as
+opaque (the PyTorch docs' way to wrap a foreign library):
 
-* ``flaxtorch::forward(spec, leaves) -> outputs + aux (+ residuals when grad is needed)``
-* ``flaxtorch::backward(entry, saved, cotangents) -> gradients of the differentiated leaves``
+* ``flaxtorch::call(caller, mode, mask, leaves) -> results (+ residuals) (+ rng key data)``
+* ``flaxtorch::backward(caller, call, saved, cotangents) -> gradients``
 
-``register_fake`` derives output shapes and dtypes from the same compiled ``Program`` the
-eager path uses (built from the fake tensors' metadata with ``jax.make_jaxpr``), and
-``register_autograd`` saves exactly what the eager ``BridgeFunction`` saves. A *spec*
-fixes everything Dynamo sees as constant (module, train mode, which leaves need grad);
-shapes select the compiled program at run time. Shapes are specialized: JAX compiles per
-shape anyway.
+Both go through the module's ``Caller``: the same signatures, the same LRU cache and held
+arrays as eager calls, and the same ``save_for_backward`` / ``scatter_grads`` as
+``BridgeFunction`` (NOTE [Call path] in ``_call.py``). Ops can carry only ints and strings:
+a caller is named by its ``compile_id`` (``_call.CALLERS`` holds callers weakly, so nothing
+here outlives a module), a compiled call by its key. ``register_fake`` builds the call from
+the fake tensors' metadata (shapes are specialized: JAX compiles per shape anyway); the
+output structure is read after it, from the call it built (``_layout``). RNG keys are
+drawn inside the op, from torch's generator, only when the program reads them, and
+returned as one more output so that the backward can save them.
 """
 
 from __future__ import annotations
-
-import itertools
-import threading
-import weakref
 
 import jax
 import torch
 
 import bridge
-from flaxside import ARRAY
+from torchside._call import CALLERS, save_for_backward, scatter_grads
 
 jtu = jax.tree_util
 
-_MODULES: dict[int, weakref.ref] = {}
-_SPECS: dict[int, _Spec] = {}
-_ENTRIES: dict[int, object] = {}
-_ids = itertools.count(1)
-_lock = threading.Lock()
+
+def _caller(caller_id: int):
+    caller = CALLERS.get(caller_id)
+    if caller is None:
+        raise RuntimeError(
+            "flaxtorch: a compiled graph refers to a FlaxModule that no longer exists. "
+            "Compile the module you call (torch.compile(model)) rather than reusing a graph."
+        )
+    return caller
 
 
-def register_module(module) -> int:
-    """A process-unique id for a FlaxModule, valid as a constant in compiled graphs."""
-    bid = next(_ids)
-    _MODULES[bid] = weakref.ref(module)
-    return bid
-
-
-class _Spec:
-    """What is constant for one compiled call site: module, mode, arity, grad mask."""
-
-    def __init__(self, module, training: bool, n_args: int, mask: str):
-        self.module = weakref.ref(module)
-        self.training = training
-        self.mask = [c == "1" for c in mask]
-        self.n_args = n_args
-        self.treedef = jtu.tree_structure((tuple(range(n_args)), {}))
-        self.static_key = (ARRAY,) * n_args
-        self.entries: dict[tuple, object] = {}
-        self.last = None
-
-    def entry(self, leaves):
-        key = tuple((tuple(int(d) for d in t.shape), t.dtype, t.device) for t in leaves)
-        entry = self.entries.get(key)
-        if entry is None:
-            module = self.module()
-            entry = module._caller.build_entry(
-                leaves, self.mask, module._state_treedef, module._leaf_names,
-                len(leaves) - self.n_args, self.treedef, self.static_key, self.training,
-            )
-            entry.compile_id = next(_ids)
-            with _lock:
-                self.entries[key] = entry
-                _ENTRIES[entry.compile_id] = entry
-        self.last = entry
-        return entry
+def _call_for(caller_id: int, mode_id: int, mask: str, leaves):
+    """The caller and compiled call for the op's leaves (variables, then arguments)."""
+    caller = _caller(caller_id)
+    metas = tuple((tuple(int(d) for d in t.shape), t.dtype, t.device) for t in leaves)
+    sig = caller.signature_of(metas, caller.mode_of(mode_id), mask)
+    call = caller.lookup(sig, [None] * len(sig.statics), remember=True)
+    caller.traced[(mode_id, mask)] = call.key
+    return caller, call
 
 
 @torch._dynamo.assume_constant_result
-def spec_id(bridge_id: int, training: bool, n_args: int, mask: str) -> int:
-    """The id of a call spec, created on first use (runs at trace time only)."""
-    key = (bridge_id, training, n_args, mask)
-    with _lock:
-        for sid, spec in _SPECS.items():
-            if spec.key == key:
-                return sid
-        sid = next(_ids)
-        spec = _Spec(_MODULES[bridge_id](), training, n_args, mask)
-        spec.key = key
-        _SPECS[sid] = spec
-    return sid
+def _mode_id(caller_id: int, training: bool, graph: int) -> int:
+    """The caller's number for a mode (``graph``: the NNX graph id, -1 for Linen)."""
+    return _caller(caller_id).mode_id(training if graph < 0 else (training, graph))
 
 
 @torch._dynamo.assume_constant_result
-def layout(sid: int) -> tuple:
-    """``(n_out, n_aux, output recipe, aux targets)`` of the spec's last traced call."""
-    entry = _SPECS[sid].last
-    treedef = entry.program.out_treedef
-    n_aux = entry.n_results - entry.n_out
-    return entry.n_out, n_aux, _recipe(treedef), entry.aux_targets
+def _layout(caller_id: int, mode_id: int, mask: str) -> tuple:
+    """``(outputs, output recipe, write-back targets, graph after)`` of the call just traced.
+
+    Runs at trace time, after the op's fake implementation built (or found) that call.
+    """
+    caller = _caller(caller_id)
+    call = caller.compiled(caller.traced[(mode_id, mask)])
+    return (call.n_out, _recipe(call.program.out_treedef), call.write_back.targets,
+            call.write_back.graph)
 
 
 def _recipe(treedef):
@@ -111,7 +81,7 @@ def _recipe(treedef):
     )
 
 
-def rebuild(recipe, outs):
+def _rebuild(recipe, outs):
     """The module's output structure from a flat list (traceable by Dynamo)."""
     if recipe[0] == "one":
         return outs[0]
@@ -122,90 +92,112 @@ def rebuild(recipe, outs):
     return dict(zip(recipe[1], outs, strict=True))
 
 
-@torch.library.custom_op("flaxtorch::forward", mutates_args=())
-def forward_op(sid: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+def _full(call, leaves, rng) -> list:
+    """The call's leaves: the op's, with the rng leaf (if any) after the variables."""
+    if rng is None:
+        return list(leaves)
+    return [*leaves[: call.n_vars], rng, *leaves[call.n_vars :]]
+
+
+@torch.library.custom_op("flaxtorch::call", mutates_args=())
+def call_op(caller_id: int, mode_id: int, mask: str, leaves: list[torch.Tensor]) \
+        -> list[torch.Tensor]:
     """Runs the compiled forward (with residuals when a gradient is needed)."""
-    entry = _SPECS[sid].entry(leaves)
-    if not entry.program.diff_index:
-        return entry.run(leaves)
-    return entry.forward(leaves)
+    caller, call = _call_for(caller_id, mode_id, mask, leaves)
+    shape = caller.owner.rng_shape
+    rng = None if shape is None else call.rng(shape)
+    head, _ = caller.held.arrays(leaves[: call.n_vars], call.exchange,
+                                 [m == "1" for m in mask[: call.n_vars]])
+    if rng is not None:
+        head.append(call.exchange.view(rng))
+    full = _full(call, leaves, rng)
+    if not call.grad_slots:
+        out = call.run(head, full)
+    else:
+        results, residuals, _ = call.forward(head, full)
+        out = results + residuals
+    # A fresh tensor: an op may not return one of its inputs or a tensor it returned before.
+    return out if rng is None else [*out, rng.clone()]
 
 
-@forward_op.register_fake
-def _forward_fake(sid, leaves):
-    entry = _SPECS[sid].entry(leaves)
-    program = entry.program
-    specs = list(program.out_specs)
-    if program.diff_index and not entry.recompute:
-        if not entry.traced:
-            jax.eval_shape(program._forward_res, [s.aval for s in program.specs])
-            entry.finish_trace()
-        specs += list(program.residual_specs)
-    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=entry.device)
-            for s in specs]
+@call_op.register_fake
+def _call_fake(caller_id, mode_id, mask, leaves):
+    caller, call = _call_for(caller_id, mode_id, mask, leaves)
+    program = call.program
+    specs = [(s.shape, bridge.torch_dtype(s.dtype)) for s in program.out_specs]
+    if call.grad_slots and not call.recompute:
+        specs += [(s.shape, bridge.torch_dtype(s.dtype))
+                  for s in program.residual_map().residual_specs]
+    if caller.owner.rng_shape is not None:
+        specs.append((caller.owner.rng_shape, torch.int32))
+    return [torch.empty(shape, dtype=dtype, device=call.device) for shape, dtype in specs]
 
 
 @torch.library.custom_op("flaxtorch::backward", mutates_args=())
-def backward_op(eid: int, saved: list[torch.Tensor], cots: list[torch.Tensor]) \
-        -> list[torch.Tensor]:
-    """Runs the compiled backward for the entry ``eid``."""
-    return _ENTRIES[eid].backward(saved, cots)
+def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
+                cots: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Runs the compiled backward of the call numbered ``key``."""
+    return _caller(caller_id).compiled(key).backward(saved, None, cots)
 
 
 @backward_op.register_fake
-def _backward_fake(eid, saved, cots):
-    entry = _ENTRIES[eid]
-    return [torch.empty(entry.program.specs[i].shape,
-                        dtype=bridge.torch_dtype(entry.program.specs[i].dtype), device=entry.device)
-            for i in entry.program.diff_index]
+def _backward_fake(caller_id, key, saved, cots):
+    call = _caller(caller_id).compiled(key)
+    specs = call.program.specs
+    return [torch.empty(specs[i].shape, dtype=bridge.torch_dtype(specs[i].dtype),
+                        device=call.device) for i in call.program.diff_index]
 
 
 def _setup_context(ctx, inputs, output):
-    sid, leaves = inputs
-    entry = _SPECS[sid].entry(leaves)
-    n = entry.n_results
-    outs, res = output[:n], output[n:]
-    ctx.mark_non_differentiable(*(outs[k] for k in entry.nondiff_out), *res)
-    ctx.save_for_backward(*entry.to_save(leaves, outs, res))
-    ctx.eid = entry.compile_id
-    ctx.n_leaves = len(leaves)
+    caller_id, mode_id, mask, leaves = inputs
+    caller, call = _call_for(caller_id, mode_id, mask, leaves)
+    rng = output[-1] if caller.owner.rng_shape is not None else None
+    output = output[:-1] if rng is not None else output
+    results, residuals = output[: call.n_results], output[call.n_results :]
+    ctx.mark_non_differentiable(*(results[k] for k in call.nondiff_out), *residuals,
+                                *([] if rng is None else [rng]))
+    save_for_backward(ctx, call, _full(call, leaves, rng), results, residuals)
+    ctx.caller_id, ctx.key, ctx.rng = caller_id, call.key, rng is not None
 
 
 def _backward(ctx, grads):
-    entry = _ENTRIES[ctx.eid]
-    program = entry.program
-    cots = [entry.zeros(k) if grads[k] is None else grads[k].contiguous()
-            for k in program.diff_out_index]
-    computed = backward_op(ctx.eid, list(ctx.saved_tensors), cots)
-    result = [None] * ctx.n_leaves
-    for i, g in zip(program.diff_index, computed, strict=True):
-        result[i] = g
-    return None, result
+    call = _caller(ctx.caller_id).compiled(ctx.key)
+    cots = [grads[k] for k in call.program.diff_out_index]
+    computed = backward_op(ctx.caller_id, ctx.key, list(ctx.saved_tensors),
+                           [None if g is None else g.contiguous() for g in cots])
+    grads = scatter_grads(call, computed, cots)
+    if ctx.rng:  # the op's leaves have no rng leaf
+        del grads[call.n_vars]
+    return None, None, None, grads
 
 
-forward_op.register_autograd(_backward, setup_context=_setup_context)
+call_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def compiled_call(module, args, kwargs):
-    """``FlaxModule.forward`` as Dynamo traces it: tensors in, the custom op, tensors out."""
+    """``FlaxModule.forward`` as Dynamo traces it: tensors in, the custom ops, tensors out."""
+    caller = module._caller
     if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError(
-            f"{module._caller.where} under torch.compile takes tensors as positional "
-            f"arguments only (got {len(args)} positional, {len(kwargs)} keyword). Pass static "
-            f"values through the Flax module's attributes, or call it outside torch.compile."
+            f"{caller.where} under torch.compile takes tensors as positional arguments only "
+            f"(got {len(args)} positional, {len(kwargs)} keyword). Pass static values "
+            f"through the Flax module's attributes, or call it outside torch.compile."
         )
-    leaves = module._call_variables() + list(args)
+    variables = module._variables()
+    leaves = list(variables) + list(args)
     grad = torch.is_grad_enabled()
     mask = "".join(
         "1" if grad and t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
         else "0"
         for t in leaves
     )
-    sid = spec_id(module._bridge_id, module.training, len(args), mask)
-    results = forward_op(sid, leaves)
-    n_out, n_aux, recipe, targets = layout(sid)
-    if n_aux:
+    mode_id = _mode_id(caller.compile_id, module.training, module._graph if module._nnx else -1)
+    results = call_op(caller.compile_id, mode_id, mask, leaves)
+    n_out, recipe, targets, graph = _layout(caller.compile_id, mode_id, mask)
+    if targets:
         with torch.no_grad():
-            for i, new in zip(targets, results[n_out : n_out + n_aux], strict=True):
-                leaves[i].copy_(new)
-    return rebuild(recipe, results[:n_out])
+            for i, new in zip(targets, results[n_out : n_out + len(targets)], strict=True):
+                variables[i].copy_(new)
+    if graph is not None and graph != module._graph:
+        module._graph = graph
+    return _rebuild(recipe, results[:n_out])

@@ -7,9 +7,23 @@ from collections.abc import Callable
 
 import jax
 
-from torchside._caller import Caller
+from flaxside.internal import WriteBack
+from torchside._call import Caller, Owner
 
 _NO_STATE = jax.tree_util.tree_structure(((), None))
+
+
+class _Apply:
+    """``fn`` in the owner's apply contract: no state, no updates (picklable if ``fn`` is)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, _mode):
+        return self.apply
+
+    def apply(self, _state, *args, **kwargs):
+        return self.fn(*args, **kwargs), [], WriteBack()
 
 
 class JaxFunction:
@@ -20,16 +34,13 @@ class JaxFunction:
         ft.update_wrapper(self, fn)
         self.fn = fn
         name = getattr(fn, "__name__", type(fn).__name__)
-
-        def make_apply(_context):
-            return (lambda _state, *args, **kwargs: (fn(*args, **kwargs), [])), True, ()
-
-        self._caller = Caller(make_apply, where=f"jax_function({name})", residuals=residuals,
-                              cache_size=cache_size, recompile_warning=recompile_warning)
+        owner = Owner(f"jax_function({name})", _NO_STATE, (), _Apply(fn))
+        self._caller = Caller(owner, residuals=residuals, cache_size=cache_size,
+                              recompile_warning=recompile_warning)
 
     def __call__(self, *args, **kwargs):
         """Runs ``fn`` on pytrees of tensors (and static values); returns tensors."""
-        outs, _, _ = self._caller([], _NO_STATE, (), args, kwargs)
+        outs, _, _ = self._caller([], args, kwargs)
         return outs
 
     def clear_caches(self) -> None:
@@ -39,7 +50,7 @@ class JaxFunction:
     @property
     def trace_count(self) -> int:
         """How many times the cached programs were traced."""
-        return sum(e.program.trace_count for e in self._caller.entries)
+        return sum(c.program.trace_count for c in self._caller.calls)
 
 
 def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_size: int = 32,
@@ -47,9 +58,10 @@ def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_s
     """Turns ``fn(*pytrees, **kwargs)`` written in JAX into a torch callable with autograd.
 
     Every tensor leaf of the arguments becomes a JAX array without a copy; non-tensor leaves
-    (numbers, strings, bools, None) are static and part of the compile key. Gradients flow
-    to every tensor argument that requires grad. Caching, residual handling and conversion
-    rules are those of ``FlaxModule``.
+    (numbers, strings, bools, None) are static and part of the compile key (``0.0`` and
+    ``-0.0``, ``1``, ``1.0`` and ``True`` compile apart). Gradients flow to every tensor
+    argument that requires grad, with torch's convention for complex tensors. Caching,
+    residual handling and conversion rules are those of ``FlaxModule``.
 
     Args:
         fn: the JAX function; returns an array or a pytree of arrays. Usable as a decorator

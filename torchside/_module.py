@@ -7,12 +7,14 @@ import torch
 
 import bridge
 import flaxside
-from flaxside import adapter_for, init_linen, key_data_shape
-from torchside._caller import Caller
-from torchside._compile import compiled_call, register_module
-from torchside._variables import attach_variables, current_tensors
+from flaxside.internal import adapter_for, init_linen, key_data_shape
+from torchside._call import Caller, Owner
+from torchside._compile import compiled_call
+from torchside._variables import attach_variables, current_tensors, run_scope_hooks
 
 jtu = jax.tree_util
+
+AUTOCAST_MODES = ("outputs", "inputs", "off")
 
 
 class FlaxModule(torch.nn.Module):
@@ -32,25 +34,28 @@ class FlaxModule(torch.nn.Module):
     (``"train"`` gets ``self.training``; ``"deterministic"`` and ``"use_running_average"``
     get its negation). NNX modules follow ``.train()``/``.eval()`` by themselves.
 
+    A copy (``copy.deepcopy``, ``AveragedModel``) or an unpickled module has its own
+    parameters and buffers; its compiled programs are rebuilt on first use.
+
     Args:
         module: a ``flax.linen.Module`` or ``flax.nnx.Module``.
         example_args: positional arguments for Linen ``module.init`` (tensors or static values).
         example_kwargs: keyword arguments for Linen ``module.init``.
         seed: the seed of ``jax.random.key`` used by Linen ``module.init``.
         variables: initial Linen variables; when given, ``module.init`` is not called.
-        rngs: RNG stream names (e.g. ``("dropout",)``); each forward draws their keys from
-            torch's default generator, so ``torch.manual_seed`` makes runs reproducible, and
-            the backward (and any recompute) reuses the forward's keys.
+        rngs: RNG stream names (e.g. ``("dropout",)``); each forward that uses them draws
+            their keys from torch's default generator, so ``torch.manual_seed`` makes runs
+            reproducible, and the backward (and any recompute) reuses the forward's keys.
         train_kwarg: the Linen keyword argument that receives the train/eval mode.
         residuals: ``"save"`` holds exactly what the Flax remat policy keeps between forward
             and backward; ``"recompute"`` holds only the inputs and reruns the forward in the
             backward, like ``torch.utils.checkpoint`` around the whole block.
         autocast: behaviour under ``torch.autocast``: ``"outputs"`` (default) runs the
-            block in its parameters' dtype and casts floating outputs to the autocast dtype,
-            as torch casts a Linear's output; ``"inputs"`` casts floating inputs and
-            parameters to the autocast dtype (gradients flow back to the full-precision
-            parameters, as with torch's own autocast) and runs the block in it; ``"off"``
-            ignores autocast.
+            block in its parameters' dtype (floating inputs are cast to it) and casts
+            floating outputs to the autocast dtype, as torch casts a Linear's output;
+            ``"inputs"`` casts floating inputs and parameters to the autocast dtype
+            (gradients flow back to the full-precision parameters, as with torch's own
+            autocast) and runs the block in it; ``"off"`` ignores autocast.
         cache_size: how many call signatures keep their compiled programs (LRU).
         recompile_warning: after this many distinct call signatures, warn once with a
             ``RecompileWarning`` naming the changing dimension; ``None`` never warns.
@@ -80,6 +85,7 @@ class FlaxModule(torch.nn.Module):
         recompile_warning: int | None = 8,
     ):
         super().__init__()
+        where = f"FlaxModule({type(module).__name__})"
         if autocast not in AUTOCAST_MODES:
             raise ValueError(
                 f"FlaxModule: autocast={autocast!r} is not one of {AUTOCAST_MODES}: 'outputs' "
@@ -92,37 +98,38 @@ class FlaxModule(torch.nn.Module):
         if not isinstance(example_args, tuple | list):
             example_args = (example_args,)
         if variables is None and hasattr(module, "init") and not _is_nnx(module):
-            init_rngs = {"params": jax.random.key(seed)}
-            init_rngs.update({name: jax.random.key(seed + 1 + i) for i, name in enumerate(rngs)})
-            variables = init_linen(module, init_rngs, bridge.tree_to_jax(tuple(example_args)),
-                                   bridge.tree_to_jax(dict(example_kwargs or {})))
+            variables = _init_linen(module, seed, rngs, tuple(example_args),
+                                    dict(example_kwargs or {}), where)
         self.flax_module = module
-        self._adapter = adapter_for(module, variables, rng_streams=rngs, train_kwarg=train_kwarg)
-        self._refs, self._var_names = attach_variables(self, self._adapter.leaves)
-        self._var_treedef = self._adapter.treedef
-        self._state_treedef = jtu.tree_structure((self._var_treedef.unflatten(
-            [0] * len(self._refs)), None if not rngs else 0))
-        self._rng_shape = (len(rngs), *key_data_shape()) if rngs else None
-        self._leaf_names = self._var_names + ("rngs",) * bool(rngs)
-        self._leaf_is_param = tuple(p for _, _, p in self._refs) + (False,) * bool(rngs)
-        where = f"FlaxModule({type(module).__name__})"
-        self._caller = Caller(self._make_apply, where=where, residuals=residuals,
-                              cache_size=cache_size, recompile_warning=recompile_warning)
-        self._bridge_id = register_module(self)
+        adapter = adapter_for(module, variables, where=where, rng_streams=rngs,
+                              train_kwarg=train_kwarg)
+        self._adapter = adapter
+        self._refs, self._scopes = attach_variables(self, adapter.names, adapter.is_param,
+                                                    adapter.take_initial_values())
+        self._is_param = adapter.is_param
+        self._nnx = adapter.kind == "nnx"
+        self._graph = 0  # NNX: the id of the module graph the next call uses
+        n = len(self._refs)
+        state_treedef = jtu.tree_structure(
+            (adapter.treedef.unflatten([0] * n), 0 if rngs else None))
+        owner = Owner(where, state_treedef, adapter.names, adapter.make_apply,
+                      (len(rngs), *key_data_shape()) if rngs else None)
+        self._caller = Caller(owner, residuals=residuals, cache_size=cache_size,
+                              recompile_warning=recompile_warning)
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
+        before = self._variable_metadata()
         out = super()._apply(fn, recurse)
-        self.clear_caches()
+        if self._variable_metadata() != before:  # a no-op .to("cpu") keeps the programs
+            self.clear_caches()
         return out
 
-    def load_state_dict(self, *args, **kwargs):  # noqa: D102
-        result = super().load_state_dict(*args, **kwargs)
-        self.clear_caches()
-        return result
+    def _variable_metadata(self) -> tuple:
+        return tuple((t.dtype, t.device, t.shape) for t in current_tensors(self._refs))
 
     def clear_caches(self) -> None:
-        """Drops every compiled program; the next call compiles again."""
+        """Drops every compiled program and held array; the next call compiles again."""
         self._caller.clear()
 
     @property
@@ -133,7 +140,7 @@ class FlaxModule(torch.nn.Module):
     @property
     def trace_count(self) -> int:
         """How many times the cached programs were traced (for tests of the cache)."""
-        return sum(e.program.trace_count for e in self._caller.entries)
+        return sum(c.program.trace_count for c in self._caller.calls)
 
     def memory_report(self, *example_args, **example_kwargs):
         """What a training call with these arguments holds and needs; nothing runs.
@@ -156,48 +163,44 @@ class FlaxModule(torch.nn.Module):
             return jax.ShapeDtypeStruct(tuple(t.shape), bridge.numpy_dtype(t.dtype))
 
         args, kwargs = jtu.tree_map(shape, (example_args, example_kwargs))
-        if self._adapter.kind == "nnx":  # the module carries its state; only shapes matter
+        if self._nnx:  # the module carries its state; only shapes matter
             return flaxside.memory_report(self.flax_module, *args, **kwargs)
-        variables = jtu.tree_unflatten(self._var_treedef, map(shape, current_tensors(self._refs)))
+        variables = self._adapter.variables(map(shape, current_tensors(self._refs)))
         return flaxside.memory_report(self.flax_module, *args, variables=variables, **kwargs)
 
     # -- the call -----------------------------------------------------------------------
-    def _make_apply(self, training: bool):
-        # apply returns (outputs, updates); updates replace these variable leaves
-        apply, targets = self._adapter.make_apply(training)
-        return apply, True, targets
+    def _mode(self):
+        return (self.training, self._graph) if self._nnx else self.training
 
-    def _call_variables(self) -> list[torch.Tensor]:
-        variables = current_tensors(self._refs)
-        if self._rng_shape is not None:
-            # From torch's default generator: torch.manual_seed reproduces the run, and
-            # torch.utils.checkpoint's RNG-state replay reproduces the key on recompute.
-            variables.append(torch.randint(-(2**31), 2**31 - 1, self._rng_shape,
-                                           dtype=torch.int32))
-        return variables
+    def _variables(self) -> list[torch.Tensor]:
+        run_scope_hooks(self._scopes)
+        return current_tensors(self._refs)
 
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
         if torch.compiler.is_compiling():
             return compiled_call(self, args, kwargs)
-        variables = self._call_variables()
+        variables = self._variables()
         leaves = variables
         cast = self._autocast_dtype(variables)
-        if cast is not None and self.autocast == "inputs":
-            leaves = [_cast(v, cast) if is_param else v
-                      for v, is_param in zip(variables, self._leaf_is_param, strict=True)]
-            args, kwargs = jtu.tree_map(lambda t: _cast(t, cast), (args, kwargs),
-                                        is_leaf=lambda x: isinstance(x, torch.Tensor))
-        outs, updates, entry = self._caller(
-            leaves, self._state_treedef, self._leaf_names, args, kwargs,
-            context=self.training,
-        )
+        if cast is not None:
+            if self.autocast == "inputs":
+                leaves = [_cast(v, cast) if p else v
+                          for v, p in zip(variables, self._is_param, strict=True)]
+                args, kwargs = _cast_tree((args, kwargs), cast)
+            else:  # "outputs": the block runs in its parameters' dtype, inputs included
+                own = self._compute_dtype(variables)
+                if own is not None:
+                    args, kwargs = _cast_tree((args, kwargs), own)
+        outs, updates, call = self._caller(leaves, args, kwargs, self._mode())
         if updates:
             with torch.no_grad():
-                for i, new in zip(entry.aux_targets, updates, strict=True):
+                for i, new in zip(call.write_back.targets, updates, strict=True):
                     variables[i].copy_(new)
+        if call.write_back.graph is not None:
+            self._graph = call.write_back.graph
         if cast is not None and self.autocast == "outputs":
-            outs = jtu.tree_map(lambda t: _cast(t, cast), outs)
+            outs = _cast_tree(outs, cast)
         return outs
 
     def _autocast_dtype(self, variables):
@@ -207,6 +210,12 @@ class FlaxModule(torch.nn.Module):
         if not torch.is_autocast_enabled(device_type):
             return None
         return torch.get_autocast_dtype(device_type)
+
+    def _compute_dtype(self, variables):
+        """The dtype of the floating parameters (``None`` if they have several or none)."""
+        dtypes = {v.dtype for v, p in zip(variables, self._is_param, strict=True)
+                  if p and v.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
     # -- dtype and device moves ---------------------------------------------------------
     def to(self, *args, **kwargs):  # noqa: D102
@@ -223,8 +232,9 @@ class FlaxModule(torch.nn.Module):
         """The current parameters and buffers as Flax state (zero-copy views).
 
         Linen: the variables dict (``{"params": ..., "batch_stats": ...}``). NNX: a
-        ``(params, rest)`` pair of ``nnx.State`` to pass to ``nnx.merge(graphdef, ...)``;
-        keys are raw key data. The arrays share memory with the torch tensors.
+        ``(params, rest)`` pair of ``nnx.State`` to pass to ``nnx.merge(graphdef, ...)``.
+        Key-typed state comes back as typed keys and unsigned state in its own dtype (torch
+        holds them as raw int32 data); other arrays share memory with the torch tensors.
 
         Example:
             >>> import flax.linen as nn
@@ -233,8 +243,8 @@ class FlaxModule(torch.nn.Module):
             (2, 3)
         """
         return self._adapter.variables(
-            [bridge.to_jax(t, name=n) for t, n in
-             zip(current_tensors(self._refs), self._var_names, strict=True)]
+            [bridge.to_jax(t.detach(), name=n) for t, n in
+             zip(current_tensors(self._refs), self._adapter.names, strict=True)]
         )
 
     def load_flax_variables(self, variables) -> None:
@@ -243,31 +253,52 @@ class FlaxModule(torch.nn.Module):
         Raises:
             ValueError: the structure differs, or a leaf's shape differs (names the path).
         """
-        leaves, treedef = jtu.tree_flatten(variables)
-        if treedef != self._var_treedef:
-            raise ValueError(
-                f"load_flax_variables: the variables have structure {treedef}, expected "
-                f"{self._var_treedef}. Pass what flax_variables() returns for this module."
-            )
+        leaves = self._adapter.leaf_values(variables)
         targets = current_tensors(self._refs)
-        for name, t, leaf in zip(self._var_names, targets, leaves, strict=True):
+        for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
             if tuple(leaf.shape) != tuple(t.shape):
                 raise ValueError(
                     f"load_flax_variables: '{name}' has shape {tuple(leaf.shape)}, expected "
                     f"{tuple(t.shape)}."
                 )
         with torch.no_grad():
-            for name, t, leaf in zip(self._var_names, targets, leaves, strict=True):
+            for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
                 t.copy_(bridge.to_torch(jax.numpy.asarray(leaf), name=name))
 
 
-AUTOCAST_MODES = ("outputs", "inputs", "off")
+def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where: str):
+    """Linen ``module.init`` on the example arguments, with errors that say what to pass."""
+    def convert(tree, label):
+        paths, treedef = jtu.tree_flatten_with_path(tree)
+        return jtu.tree_unflatten(treedef, [
+            bridge.to_jax(x, name=f"{label}{jtu.keystr(p)}") if isinstance(x, torch.Tensor)
+            else x for p, x in paths])
+
+    init_rngs = {"params": jax.random.key(seed)}
+    init_rngs.update({name: jax.random.key(seed + 1 + i) for i, name in enumerate(rngs)})
+    args, kwargs = convert(args, "example_args"), convert(kwargs, "example_kwargs")
+    try:
+        return init_linen(module, init_rngs, args, kwargs)
+    except TypeError as e:
+        if args or kwargs or "argument" not in str(e):
+            raise
+        raise TypeError(
+            f"{where}: a Linen module is initialized by calling module.init with example "
+            f"inputs, and none were given ({e}). Pass example_args=(torch.zeros(batch, "
+            f"features),) (shapes and dtypes like the real inputs), or variables= with "
+            f"existing Flax variables."
+        ) from e
 
 
 def _cast(t, dtype):
     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
         return t.to(dtype)
     return t
+
+
+def _cast_tree(tree, dtype):
+    return jtu.tree_map(lambda t: _cast(t, dtype), tree,
+                        is_leaf=lambda x: isinstance(x, torch.Tensor))
 
 
 def _check_wide(dtype, method: str) -> None:

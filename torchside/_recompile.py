@@ -63,6 +63,11 @@ class RecompileMonitor:
         self._done = threshold is None
         self._lock = threading.Lock()
 
+    @property
+    def done(self) -> bool:
+        """Whether nothing more is recorded (warned already, or never warns)."""
+        return self._done
+
     def record(self, signature, tensors, static, other) -> None:
         """Notes one compiled signature.
 

@@ -8,13 +8,18 @@ import bridge
 
 
 class FlaxScope(torch.nn.Module):
-    """A namespace for the variables of one Flax scope; it has no forward of its own."""
+    """A namespace for the variables of one Flax scope; it has no forward of its own.
+
+    Its forward pre-hooks run before every forward of the ``FlaxModule`` that owns it, as
+    if it were called: hook-based weight transforms (``torch.nn.utils.prune``, the older
+    ``weight_norm`` and ``spectral_norm``) recompute the weight there.
+    """
 
     def forward(self, *args, **kwargs):  # noqa: D102
         raise RuntimeError("FlaxScope only holds variables; call the FlaxModule that owns it.")
 
 
-def attach_variables(root: torch.nn.Module, leaves):
+def attach_variables(root: torch.nn.Module, names, is_param, values):
     """Registers variable leaves on ``root`` under their Flax paths.
 
     Parameters become ``nn.Parameter``s, the rest persistent buffers; both own a copy of
@@ -24,38 +29,57 @@ def attach_variables(root: torch.nn.Module, leaves):
 
     Args:
         root: the module to attach to.
-        leaves: ``(dotted name, JAX array, is_param)`` per leaf, in the adapter's order.
+        names: the dotted Flax path of each leaf (no part contains a dot).
+        is_param: per leaf, whether it is a parameter.
+        values: per leaf, its JAX array.
 
     Returns:
-        ``(refs, names)``: per leaf ``(scope, name, is_param)``, and the dotted names.
+        ``(refs, scopes)``: per leaf ``(scope, name, is_param)``, and every scope made.
     """
-    refs, names = [], []
-    for dotted, value, is_param in leaves:
+    refs, scopes = [], []
+    for dotted, param, value in zip(names, is_param, values, strict=True):
         keys = dotted.split(".")
-        if not all(keys):
-            raise ValueError(
-                f"FlaxModule: the Flax variable path {dotted!r} has an empty part, which "
-                f"cannot be a torch state_dict name. Rename the Flax submodule or variable."
-            )
         scope = root
         for k in keys[:-1]:
             child = scope._modules.get(k)
             if child is None:
                 child = FlaxScope()
                 scope._modules[k] = child
+                scopes.append(child)
             scope = child
         tensor = bridge.to_torch(value, copy=True, name=dotted)
-        if is_param:
+        if param:
             scope._parameters[keys[-1]] = torch.nn.Parameter(
                 tensor, requires_grad=bool(tensor.is_floating_point() or tensor.is_complex())
             )
         else:
             scope._buffers[keys[-1]] = tensor
-        refs.append((scope, keys[-1], is_param))
-        names.append(dotted)
-    return tuple(refs), tuple(names)
+        refs.append((scope, keys[-1], param))
+    return tuple(refs), tuple(scopes)
+
+
+def run_scope_hooks(scopes) -> None:
+    """Runs the forward pre-hooks of the scopes that have any (see ``FlaxScope``)."""
+    for scope in scopes:
+        if scope._forward_pre_hooks:
+            with_kwargs = scope._forward_pre_hooks_with_kwargs
+            for hook_id, hook in list(scope._forward_pre_hooks.items()):
+                if hook_id in with_kwargs:
+                    hook(scope, (), {})
+                else:
+                    hook(scope, ())
 
 
 def current_tensors(refs) -> list[torch.Tensor]:
-    """The variables' tensors now (``.to()`` or ``load_state_dict`` may replace them)."""
-    return [s._parameters[n] if p else s._buffers[n] for s, n, p in refs]
+    """The variables' tensors now, read as torch modules read them.
+
+    ``.to()``, ``load_state_dict(assign=True)`` and FSDP2 replace the entries, so they are
+    read at every call. A parametrized (``torch.nn.utils.parametrize``) or pruned variable
+    is no longer in ``_parameters``: the attribute gives its current value, and gradients
+    reach the original through torch's autograd.
+    """
+    out = []
+    for scope, name, is_param in refs:
+        t = (scope._parameters if is_param else scope._buffers).get(name)
+        out.append(getattr(scope, name) if t is None else t)
+    return out
