@@ -5,8 +5,11 @@ one flat list of array leaves (the owner's variables first, then the call's arra
 
 * ``forward(leaves) -> results``: outputs then aux leaves; nothing kept for a backward;
 * ``forward_with_residuals(leaves) -> (results, residuals)``;
-* ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> gradients``;
-* ``backward_recompute(leaves, cotangents) -> gradients`` (forward rerun inside).
+* ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> gradient buffers``;
+* ``backward_recompute(leaves, cotangents) -> gradient buffers`` (forward rerun inside).
+
+Small gradients leave the backward packed, one buffer per dtype (``grad_pack``), as small
+residuals leave the forward: a call then costs per buffer, not per parameter.
 
 What the first trace of ``forward_with_residuals`` learns (which VJP leaf is an input, an
 output or a true residual, how residuals are packed) is returned as one frozen
@@ -98,51 +101,76 @@ def _distinct(results: list, inputs: Sequence) -> list:
     return out
 
 
-PACK_BYTES = 64 * 1024  # residuals this small cross the boundary packed, one buffer per dtype
+PACK_BYTES = 64 * 1024  # arrays this small cross the boundary packed, one buffer per dtype
 
 
-def _pack(residuals: list):
-    """Concatenates small residuals into one flat buffer per dtype, inside the program.
+def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
+    """Where each array goes when small ones cross the boundary as one buffer per dtype.
 
-    Every residual crosses to torch as a tensor and back (converted, saved, unpacked,
-    converted again), a cost per tensor that dominated calls of unrolled stacks with many
-    small residuals. Packed, the small ones cross as one buffer per dtype and are sliced
-    back inside the backward; large ones still cross alone, without a copy.
+    Every array that crosses to torch costs per tensor (a conversion each way, a tensor
+    torch tracks), which dominated calls with many small residuals or parameters. Small
+    arrays are concatenated per dtype inside the program and cross as one buffer; large
+    ones (and those ``alone`` marks) cross alone, without a copy.
+
+    Args:
+        avals: shapes and dtypes (anything with ``.shape`` and ``.dtype``).
+        alone: per array, whether it must cross alone whatever its size.
 
     Returns:
-        ``(buffers, placement)``: the residuals as they leave the program, and per original
-        residual ``("alone", i)`` or ``("packed", i, offset, shape)`` into ``buffers``.
+        ``(placement, buffers)``: per array ``("alone", b)`` or ``("packed", b, offset,
+        shape)`` into the buffers, and per buffer ``LeafSpec``. With fewer than two small
+        arrays nothing is packed.
     """
-    alone, groups, placement = [], {}, []
-    for r in residuals:
-        # Residuals an offloading policy put in host memory stay alone (and stay there).
-        if r.size * r.dtype.itemsize > PACK_BYTES or _memory_space(r) != "device":
-            placement.append(("alone", len(alone)))
-            alone.append(r)
+    small = []
+    for k, a in enumerate(avals):
+        size = int(np.prod(a.shape, dtype=np.int64))
+        small.append(not (alone is not None and alone[k])
+                     and size * np.dtype(a.dtype).itemsize <= PACK_BYTES)
+    if sum(small) < 2:
+        return (tuple(("alone", k) for k in range(len(avals))),
+                tuple(LeafSpec(tuple(a.shape), np.dtype(a.dtype)) for a in avals))
+    buffers, groups, placement = [], {}, []
+    for a, is_small in zip(avals, small, strict=True):
+        if not is_small:
+            placement.append(("alone", len(buffers)))
+            buffers.append(LeafSpec(tuple(a.shape), np.dtype(a.dtype)))
         else:
-            group = groups.setdefault(np.dtype(r.dtype), [])
-            offset = sum(x.size for x in group)
-            placement.append(("packed", np.dtype(r.dtype), offset, r.shape))
-            group.append(r)
-    if sum(len(g) for g in groups.values()) < 2:  # nothing to gain: keep them as they are
-        return list(residuals), tuple(("alone", i) for i in range(len(residuals)))
-    order = {dt: len(alone) + i for i, dt in enumerate(groups)}
-    buffers = alone + [jnp.concatenate([x.reshape(-1) for x in g]) for g in groups.values()]
-    placement = tuple(
-        entry if entry[0] == "alone" else ("packed", order[entry[1]], entry[2], entry[3])
-        for entry in placement
-    )
-    return buffers, placement
+            placement.append(("packed", groups.setdefault(np.dtype(a.dtype), []), a.shape))
+            placement[-1][1].append(a)
+    order, offsets = {}, {}
+    for dtype, group in groups.items():
+        order[id(group)] = len(buffers)
+        offsets[id(group)] = 0
+        total = sum(int(np.prod(a.shape, dtype=np.int64)) for a in group)
+        buffers.append(LeafSpec((total,), dtype))
+    out = []
+    for entry in placement:
+        if entry[0] == "alone":
+            out.append(entry)
+            continue
+        _, group, shape = entry
+        offset = offsets[id(group)]
+        offsets[id(group)] = offset + int(np.prod(shape, dtype=np.int64))
+        out.append(("packed", order[id(group)], offset, tuple(shape)))
+    return tuple(out), tuple(buffers)
 
 
-def _memory_space(x) -> str:
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
-    space = getattr(aval, "memory_space", None)
-    return "device" if space is None else str(getattr(space, "name", space)).lower()
+def pack(arrays: list, placement) -> list:
+    """The buffers ``placement`` (from ``pack_plan``) describes, built inside a program."""
+    buffers: dict[int, Any] = {}
+    groups: dict[int, list] = {}
+    for x, entry in zip(arrays, placement, strict=True):
+        if entry[0] == "alone":
+            buffers[entry[1]] = x
+        else:  # offsets follow the order of the arrays (pack_plan)
+            groups.setdefault(entry[1], []).append(x.reshape(-1))
+    for b, parts in groups.items():
+        buffers[b] = jnp.concatenate(parts)
+    return [buffers[b] for b in range(len(buffers))]
 
 
-def _unpack(buffers: list, placement) -> list:
-    """The residuals ``_pack`` was given, sliced back out of its buffers."""
+def unpack(buffers: list, placement) -> list:
+    """The arrays ``pack`` was given, sliced back out of its buffers."""
     out = []
     for entry in placement:
         if entry[0] == "alone":
@@ -152,6 +180,12 @@ def _unpack(buffers: list, placement) -> list:
             size = int(np.prod(shape, dtype=np.int64))
             out.append(buffers[i][offset : offset + size].reshape(shape))
     return out
+
+
+def _memory_space(x) -> str:
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
+    space = getattr(aval, "memory_space", None)
+    return "device" if space is None else str(getattr(space, "name", space)).lower()
 
 
 def _is_key(x) -> bool:
@@ -210,6 +244,10 @@ class Program:
         out_treedef: the structure of the outputs.
         static: the ``static`` value ``fn`` returned.
         reads: per leaf, whether any result depends on it.
+        grad_pack: where each gradient (``diff_index`` order) sits in what the backward
+            programs return (``pack_plan``): small gradients leave packed, one buffer per
+            dtype, and ``unpack`` (or views on the torch side) recovers them.
+        grad_specs: the buffers the backward programs return.
         grad_reach: per differentiable output (``diff_out_index`` order), a bitmask over
             ``diff_index`` positions of the leaves it depends on.
 
@@ -226,6 +264,7 @@ class Program:
         self.name = name
         self.fence = fence
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
+        self.grad_pack, self.grad_specs = pack_plan([self.specs[i] for i in self.diff_index])
         self.trace_count = 0
         self._lock = threading.Lock()
         found = []
@@ -342,10 +381,11 @@ class Program:
         # leave as raw key data and are wrapped again, with the same implementation.
         key_impls = tuple(jax.random.key_impl(r) if _is_key(r) else None for r in residuals)
         residuals = [jax.random.key_data(r) if _is_key(r) else r for r in residuals]
-        buffers, pack = _pack(residuals)
+        placement, _ = pack_plan(residuals, [_memory_space(r) != "device" for r in residuals])
+        buffers = pack(residuals, placement)
         residual_map = ResidualMap(
             vjp_treedef=vjp_treedef, sources=sources, saved_inputs=tuple(saved["in"]),
-            saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=pack,
+            saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=placement,
             residual_specs=tuple(LeafSpec(tuple(b.shape), np.dtype(b.dtype)) for b in buffers),
             offloaded=tuple(_memory_space(b) != "device" for b in buffers),
         )
@@ -356,19 +396,19 @@ class Program:
         rmap = self._residual_map
         residuals = [
             r if impl is None else jax.random.wrap_key_data(r, impl=impl)
-            for r, impl in zip(_unpack(list(residuals), rmap.pack), rmap.key_impls, strict=True)
+            for r, impl in zip(unpack(list(residuals), rmap.pack), rmap.key_impls, strict=True)
         ]
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
         vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
         grads = [_conj(g) for g in vjp(self._cotangents(cotangents))]
-        return _distinct(grads, list(cotangents) + list(saved_inputs) + list(saved_outputs)
-                         + list(residuals))
+        return pack(_distinct(grads, list(cotangents) + list(saved_inputs)
+                              + list(saved_outputs) + list(residuals)), self.grad_pack)
 
     def _backward_recompute_body(self, leaves, cotangents, *fence):
         self.trace_count += 1
         _, vjp = self._vjp(list(leaves))
         grads = [_conj(g) for g in vjp(self._cotangents(cotangents))]
-        return _distinct(grads, list(cotangents) + list(leaves))
+        return pack(_distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
 
     # -- compilation -------------------------------------------------------------------
     def _fence_avals(self) -> tuple:
@@ -432,7 +472,9 @@ class Program:
 
     def backward(self, saved_inputs, saved_outputs, residuals, cotangents,
                  *fence) -> list[jax.Array]:
-        """Gradients of the ``diff`` leaves, in order (torch's convention for complex ones).
+        """Gradients of the ``diff`` leaves, packed as ``grad_pack`` says (``unpack``).
+
+        Gradients follow torch's convention for complex leaves.
 
         Args:
             saved_inputs: the input leaves at ``residual_map().saved_inputs``, passed again.
@@ -451,7 +493,7 @@ class Program:
 
     def backward_recompute(self, leaves: Sequence, cotangents: Sequence,
                            *fence) -> list[jax.Array]:
-        """Gradients of the ``diff`` leaves, rerunning the forward inside one program.
+        """Gradient buffers (``grad_pack``), rerunning the forward inside one program.
 
         Like ``torch.utils.checkpoint`` around the whole block: nothing but the inputs is
         held between ``forward`` and this call.

@@ -16,17 +16,22 @@ from flaxside._adapters import wrap_keys as wrap_keys
 from flaxside._depends import input_masks as input_masks
 from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
+from flaxside._program import PACK_BYTES as PACK_BYTES
 from flaxside._program import LeafSpec as LeafSpec
 from flaxside._program import Program as Program
 from flaxside._program import ResidualMap as ResidualMap
 from flaxside._program import internal_assert as internal_assert
 from flaxside._program import is_differentiable as is_differentiable
+from flaxside._program import pack as pack
+from flaxside._program import pack_plan as pack_plan
+from flaxside._program import unpack as unpack
 from flaxside._vjp_leaves import label_leaves as label_leaves
 
 __all__ = [
     "ARRAY",
     "INVERTED_TRAIN_KWARGS",
     "LeafSpec",
+    "PACK_BYTES",
     "LinenAdapter",
     "NNXAdapter",
     "Program",
@@ -41,5 +46,8 @@ __all__ = [
     "is_key",
     "key_data_shape",
     "label_leaves",
+    "pack",
+    "pack_plan",
+    "unpack",
     "wrap_keys",
 ]

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 
 import flaxside
-from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply
+from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply, unpack
 from tests.twins import NnxResidualMLPBlock, ResidualMLPBlock, ScanRematStack, ScanStack
 from torchside import FlaxModule
 
@@ -102,7 +102,7 @@ def test_compile_for_report_then_calls_agree_with_jax_vjp():
     rmap = program.residual_map()
     saved_in = [[w, x][j] for j in rmap.saved_inputs]
     saved_out = [out[k] for k in rmap.saved_outputs]
-    grads = program.backward(saved_in, saved_out, res, [ct])
+    grads = unpack(program.backward(saved_in, saved_out, res, [ct]), program.grad_pack)
     want_out, pull = jax.vjp(lambda w, x: jnp.tanh(x @ w), w, x)
     torch.testing.assert_close([torch.from_numpy(np.array(a)) for a in [*out, *grads]],
                                [torch.from_numpy(np.array(a)) for a in [want_out, *pull(ct)]])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxside.internal import LeafSpec, Program, ResidualMap
+from flaxside.internal import PACK_BYTES, LeafSpec, Program, ResidualMap, unpack
 
 
 def _pure(f):
@@ -42,7 +42,7 @@ def test_forward_backward_match_jax_vjp():
     ct = np.random.default_rng(1).standard_normal(ref_out.shape).astype(np.float32)
     saved_in = [leaves[j] for j in p.residual_map().saved_inputs]
     saved_out = [outs[k] for k in p.residual_map().saved_outputs]
-    grads = p.backward(saved_in, saved_out, res, [ct])
+    grads = unpack(p.backward(saved_in, saved_out, res, [ct]), p.grad_pack)
     for g, r in zip(grads, ref_vjp(ct), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
@@ -64,8 +64,9 @@ def test_only_diff_leaves_get_gradients():
     p = Program(_mlp, _specs((True, False, False)))
     outs, res = p.forward_with_residuals(leaves)
     rmap = p.residual_map()
-    grads = p.backward([leaves[j] for j in rmap.saved_inputs],
-                       [outs[k] for k in rmap.saved_outputs], res, [np.ones((5, 4), np.float32)])
+    grads = unpack(p.backward([leaves[j] for j in rmap.saved_inputs],
+                              [outs[k] for k in rmap.saved_outputs], res,
+                              [np.ones((5, 4), np.float32)]), p.grad_pack)
     assert len(grads) == 1 and grads[0].shape == (8, 16)
 
 
@@ -83,15 +84,17 @@ def test_each_program_traces_once():
 
 
 def test_results_never_alias_inputs_or_each_other():
-    x = np.arange(64, dtype=np.float32)
+    n = 2 * PACK_BYTES // 4  # too large to be packed: each gradient leaves alone
+    x = np.arange(n, dtype=np.float32)
     p = Program(_pure(lambda ls: (ls[0], ls[0], ls[0] + ls[1])),
-                [LeafSpec((64,), np.float32, True)] * 2)
+                [LeafSpec((n,), np.float32, True)] * 2)
     outs = p.forward([x, x])
     ptrs = [o.unsafe_buffer_pointer() for o in outs]
     assert len(set(ptrs)) == 3 and x.ctypes.data not in ptrs
     outs, res = p.forward_with_residuals([x, x])
-    ct = [np.ones(64, np.float32)] * 3
+    ct = [np.ones(n, np.float32)] * 3
     grads = p.backward([], [], res, ct)
+    assert p.grad_pack == (("alone", 0), ("alone", 1))
     gptrs = {g.unsafe_buffer_pointer() for g in grads}
     assert len(gptrs) == 2 and not gptrs & {c.ctypes.data for c in ct}
 
@@ -128,12 +131,12 @@ def test_complex_gradients_follow_torch_convention():
     p = Program(_pure(lambda ls: f(ls[0], ls[1])), [LeafSpec((5,), np.complex64, True)] * 2)
     outs, res = p.forward_with_residuals([z, w])
     rmap = p.residual_map()
-    grads = p.backward([[z, w][j] for j in rmap.saved_inputs],
-                       [outs[k] for k in rmap.saved_outputs], res, [ct])
+    grads = unpack(p.backward([[z, w][j] for j in rmap.saved_inputs],
+                              [outs[k] for k in rmap.saved_outputs], res, [ct]), p.grad_pack)
     _, vjp = jax.vjp(f, z, w)
     for g, want in zip(grads, vjp(np.conj(ct)), strict=True):
         np.testing.assert_allclose(g, np.conj(want), rtol=1e-5, atol=1e-6)
-    re = p.backward_recompute([z, w], [ct])
+    re = unpack(p.backward_recompute([z, w], [ct]), p.grad_pack)
     for g, want in zip(re, vjp(np.conj(ct)), strict=True):
         np.testing.assert_allclose(g, np.conj(want), rtol=1e-5, atol=1e-6)
 
@@ -166,8 +169,35 @@ def test_small_residuals_cross_packed_one_buffer_per_dtype():
     outs, res = p.forward_with_residuals(leaves)
     assert len(res) == 1 and res[0].ndim == 1  # 11+ residuals, one float32 buffer
     ct = r.standard_normal((4, 8)).astype(np.float32)
-    grads = p.backward([leaves[j] for j in p.residual_map().saved_inputs],
-                       [outs[k] for k in p.residual_map().saved_outputs], res, [ct])
+    grads = unpack(p.backward([leaves[j] for j in p.residual_map().saved_inputs],
+                              [outs[k] for k in p.residual_map().saved_outputs], res, [ct]),
+                   p.grad_pack)
     _, vjp = jax.vjp(lambda *ls: chain(list(ls)), *leaves)
     for g, want in zip(grads, vjp(ct), strict=True):
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_small_gradients_leave_packed_one_buffer_per_dtype_large_ones_alone():
+    """Three small float32, two small bfloat16 and one large gradient: three buffers."""
+    r = np.random.default_rng(3)
+    big = 2 * PACK_BYTES // 4
+    shapes = [((3, 4), np.float32), ((4,), jnp.bfloat16), ((big,), np.float32),
+              ((5,), np.float32), ((2, 2), jnp.bfloat16), ((7,), np.float32)]
+    leaves = [r.standard_normal(s).astype(d) for s, d in shapes]
+
+    def f(ls):
+        return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) * (k + 1) for k, x in enumerate(ls))
+
+    p = Program(_pure(f), [LeafSpec(a.shape, a.dtype, True) for a in leaves])
+    kinds = [e[0] for e in p.grad_pack]
+    assert kinds == ["packed", "packed", "alone", "packed", "packed", "packed"]
+    assert sorted((s.shape, str(s.dtype)) for s in p.grad_specs) == sorted(
+        [((big,), "float32"), ((12 + 5 + 7,), "float32"), ((4 + 4,), "bfloat16")])
+    ct = np.float32(r.standard_normal())
+    for buffers in (p.backward_recompute(leaves, [ct]),):
+        assert [b.shape for b in buffers] == [s.shape for s in p.grad_specs]
+        _, vjp = jax.vjp(lambda *ls: f(list(ls)), *leaves)
+        for g, want in zip(unpack(buffers, p.grad_pack), vjp(ct), strict=True):
+            assert g.shape == want.shape and g.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(want, np.float32),
+                                       rtol=1e-6, atol=1e-6 * float(np.abs(ct)))

@@ -137,14 +137,14 @@ class CompiledCall:
         write_back: ``WriteBack``: the variables the aux results replace, the graph after.
         nondiff_out: results torch must treat as non-differentiable (ints, aux, outputs
             that depend on no differentiated leaf).
-        grad_slots: per gradient the program returns, the leaf it belongs to.
+        grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
         names: a name per leaf, for messages.
         key: a small int naming this call inside its caller (``torch.compile`` ops).
     """
 
     __slots__ = ("program", "exchange", "held", "recompute", "n_vars", "n_state", "rng_used",
                  "write_back", "n_out", "n_results", "nondiff_out", "grad_slots", "names",
-                 "device", "key", "_zero_cots", "_unreached", "_rng_zeros")
+                 "device", "key", "_zero_cots", "_unreached", "_rng_zeros", "_unpack")
 
     def __init__(self, program, exchange, held, *, recompute: bool, n_vars: int, n_state: int,
                  names: tuple, device: torch.device, key: int):
@@ -166,6 +166,7 @@ class CompiledCall:
         self._zero_cots: dict[int, Any] = {}
         self._unreached: dict[tuple, frozenset] = {}
         self._rng_zeros = None
+        self._unpack = _grad_unpacker(program.grad_pack, program.specs, program.diff_index)
 
     # -- forward -------------------------------------------------------------------------
     def rng(self, shape) -> torch.Tensor:
@@ -248,8 +249,27 @@ class CompiledCall:
                           else exchange.view(t))
         return arrays
 
+    def unpack_grads(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per differentiated leaf its gradient: views into the packed buffers.
+
+        Views of one buffer share its memory. torch's ``AccumulateGrad`` takes each view as
+        the parameter's ``.grad`` without a copy; an in-place accumulation then writes only
+        the view's own elements.
+        """
+        unpack = self._unpack
+        if unpack is None:
+            return buffers
+        alone, groups, n = unpack
+        out = [None] * n
+        for p, b in alone:
+            out[p] = buffers[b]
+        for b, positions, templates in groups:
+            for p, g in zip(positions, _unflatten(buffers[b], templates), strict=True):
+                out[p] = g
+        return out
+
     def backward(self, saved, kept, cots) -> list[torch.Tensor]:
-        """Gradients of the differentiated leaves (program order) from what was saved.
+        """Gradient buffers (``program.grad_pack``) from what was saved.
 
         Args:
             saved: what ``save_for_backward`` saved, as torch unpacked it.
@@ -316,6 +336,28 @@ def scatter_grads(call: CompiledCall, grads: list, cots) -> list:
     return out
 
 
+def _grad_unpacker(placement, specs, diff_index):
+    """What ``CompiledCall.unpack_grads`` needs, fixed once; ``None`` when nothing is packed."""
+    if all(entry[0] == "alone" for entry in placement):
+        return None
+    alone, groups = [], {}
+    for p, entry in enumerate(placement):
+        if entry[0] == "alone":
+            alone.append((p, entry[1]))
+        else:
+            group = groups.setdefault(entry[1], ([], []))
+            group[0].append(p)
+            # Shapes only: meta tensors stand for the views' sizes.
+            group[1].append(torch.empty(specs[diff_index[p]].shape, device="meta"))
+    return (tuple(alone), tuple((b, tuple(ps), ts) for b, (ps, ts) in groups.items()),
+            len(placement))
+
+
+def _unflatten(buffer: torch.Tensor, templates: list) -> list[torch.Tensor]:
+    """Views of ``buffer``, one per template's shape, in order (one C++ call)."""
+    return torch._C._nn.unflatten_dense_tensors(buffer, templates)
+
+
 class BridgeFunction(torch.autograd.Function):
     """``apply(call, head, *leaves) -> results``: one compiled call inside torch autograd.
 
@@ -356,7 +398,7 @@ class BridgeFunction(torch.autograd.Function):
         call = ctx.call
         cots = [grads[k] for k in call.program.diff_out_index]
         return (None, None, *scatter_grads(
-            call, call.backward(ctx.saved_tensors, ctx.kept, cots), cots))
+            call, call.unpack_grads(call.backward(ctx.saved_tensors, ctx.kept, cots)), cots))
 
 
 # torch's Function.apply walks every argument in Python (functorch's dead-wrapper check);

@@ -136,16 +136,19 @@ def _call_fake(caller_id, mode_id, mask, leaves):
 @torch.library.custom_op("flaxtorch::backward", mutates_args=())
 def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
                 cots: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Runs the compiled backward of the call numbered ``key``."""
+    """Runs the compiled backward of the call numbered ``key``: gradient buffers.
+
+    Small gradients come back packed (``Program.grad_pack``); ``_backward`` takes views of
+    them in traced code, since an op's outputs may not alias one another.
+    """
     return _caller(caller_id).compiled(key).backward(saved, None, cots)
 
 
 @backward_op.register_fake
 def _backward_fake(caller_id, key, saved, cots):
     call = _caller(caller_id).compiled(key)
-    specs = call.program.specs
-    return [torch.empty(specs[i].shape, dtype=bridge.torch_dtype(specs[i].dtype),
-                        device=call.device) for i in call.program.diff_index]
+    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=call.device)
+            for s in call.program.grad_specs]
 
 
 def _setup_context(ctx, inputs, output):
@@ -165,7 +168,7 @@ def _backward(ctx, grads):
     cots = [grads[k] for k in call.program.diff_out_index]
     computed = backward_op(ctx.caller_id, ctx.key, list(ctx.saved_tensors),
                            [None if g is None else g.contiguous() for g in cots])
-    grads = scatter_grads(call, computed, cots)
+    grads = scatter_grads(call, call.unpack_grads(computed), cots)
     if ctx.rng:  # the op's leaves have no rng leaf
         del grads[call.n_vars]
     return None, None, None, grads
