@@ -334,6 +334,7 @@ class NNXAdapter(_Leaves):
             (i, tags[i]) for i in self._key_index
             if i < len(tags) and tags[i] in self.rng_streams
         )
+        self._check_streams({tags[i] for i in self._key_index if i < len(tags)})
         # A stream's count is reset with its key, so masks depend on torch's draw alone.
         self._stream_counts = tuple(
             i for i, (_, v) in enumerate(flat_rest)
@@ -349,6 +350,28 @@ class NNXAdapter(_Leaves):
             [name(p) for p, _ in p_leaves] + [name(p) for p, _ in r_leaves],
             [True] * len(p_leaves) + [False] * len(r_leaves),
             [leaf for _, leaf in p_leaves] + [leaf for _, leaf in r_leaves],
+        )
+
+    def _check_streams(self, held: set) -> None:
+        """Refuses a requested stream that no RNG key of the module carries.
+
+        Such a stream would draw no torch key at all: the module would keep drawing from its
+        own key, and ``torch.manual_seed`` would not reproduce its masks.
+        """
+        missing = [s for s in self.rng_streams if s not in held]
+        if not missing:
+            return
+        have = sorted(str(t) for t in held if t is not None)
+        fix = f"pass rngs={tuple(have)!r}" if have else "drop rngs="
+        if "default" in have:
+            fix += (" (a module built with nnx.Rngs(0) has the one stream 'default', which "
+                    "nnx.Dropout falls back to)")
+        raise ValueError(
+            f"{self.where}: rngs={self.rng_streams!r} asks for the RNG stream "
+            f"{missing[0]!r}, but no RNG key of the NNX module belongs to it (its streams: "
+            f"{have}), so torch's generator would not reach the module's randomness. Either "
+            f"{fix}, or build the module with a key of that stream, e.g. "
+            f"nnx.Rngs(0, {missing[0]}=1)."
         )
 
     def graph_id(self, graphdef) -> int:
