@@ -23,12 +23,19 @@ def _np(t):
     return jnp.asarray(t.detach().numpy())
 
 
-def _tols(torch_dtype, twin=False):
-    if torch_dtype == torch.float64:
-        return {"rtol": 1e-10, "atol": 1e-10}
-    # Same XLA program: torch's float32 defaults. Against the torch twin, 16 layers of two
-    # different BLAS libraries accumulate rounding differently (seen: 3.6e-5 abs on O(5)).
-    return {"rtol": 1e-5, "atol": 1e-4} if twin else {}
+def _tols(torch_dtype):
+    # Same XLA program: torch's float32 defaults.
+    return {"rtol": 1e-10, "atol": 1e-10} if torch_dtype == torch.float64 else {}
+
+
+def _twin_tols(torch_dtype, ref):
+    """Tolerances against the torch twin, ``atol`` scaled by ``max(1, max|ref|)``.
+
+    16 layers in two libraries run different BLAS kernels, which differ between CPUs too
+    (issue 14: 5.2e-4 off on values up to 84 on an AMD EPYC): a fixed atol fails there.
+    """
+    rtol, atol = (1e-10, 1e-10) if torch_dtype == torch.float64 else (1e-5, 1e-4)
+    return {"rtol": rtol, "atol": atol * max(1.0, ref.detach().abs().max().item())}
 
 
 @pytest.fixture(params=list(DTYPES), ids=list(DTYPES))
@@ -71,9 +78,9 @@ def test_stack_matches_jax_vjp_and_checkpointed_torch_twin(stack, dtypes):
     for block in blocks:
         h = checkpoint(block, h, use_reentrant=False)
     h.backward(ct)
-    tol = _tols(tdtype, twin=True)
-    torch.testing.assert_close(y.detach(), h.detach(), **tol)
-    torch.testing.assert_close(x_ours.grad, x_twin.grad, **tol)
+    # Cross-library, here and below: atol scales with max|twin tensor| (see _twin_tols).
+    torch.testing.assert_close(y.detach(), h.detach(), **_twin_tols(tdtype, h))
+    torch.testing.assert_close(x_ours.grad, x_twin.grad, **_twin_tols(tdtype, x_twin.grad))
     lead = stacked["Dense_0"]["bias"].shape[:-1]
     depth = int(np.prod(lead))
     twin_grads = {
@@ -88,7 +95,9 @@ def test_stack_matches_jax_vjp_and_checkpointed_torch_twin(stack, dtypes):
         ours_grad = dict(ours.named_parameters())[f"params.stack.{leaf}"].grad
         stacked_twin = torch.stack(grads).reshape(*lead, *grads[0].shape)
         assert len(grads) == depth
-        torch.testing.assert_close(ours_grad, stacked_twin, msg=leaf, **tol)
+        # Cross-library: atol scales with max|twin gradient| (see _twin_tols).
+        torch.testing.assert_close(ours_grad, stacked_twin, msg=leaf,
+                                   **_twin_tols(tdtype, stacked_twin))
 
 
 def _held_bytes(module: FlaxModule, x: torch.Tensor) -> tuple[int, int]:

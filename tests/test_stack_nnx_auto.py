@@ -167,6 +167,15 @@ def test_auto_with_budget_end_to_end():
 
 
 # -- through torch ------------------------------------------------------------------------
+def _twin_tols(ref):
+    """float32 tolerances against the torch twin, ``atol`` scaled by ``max(1, max|ref|)``.
+
+    Two libraries run different BLAS kernels, which differ between CPUs too (issue 14): a
+    fixed atol that passes here fails on another machine once values grow.
+    """
+    return {"rtol": 1e-5, "atol": 1e-4 * max(1.0, ref.detach().abs().max().item())}
+
+
 def test_flax_module_of_a_stack_matches_the_torch_twin():
     """FlaxModule(remat_stack) trains like the torch blocks (under torch's checkpoint)."""
     stack = flaxside.remat_stack(ResidualMLPBlock, 6, lengths=(2, 3), width=W)
@@ -182,8 +191,9 @@ def test_flax_module_of_a_stack_matches_the_torch_twin():
         y2 = torch.utils.checkpoint.checkpoint(block, y2, use_reentrant=False)
     y1.backward(ct)
     y2.backward(ct)
-    torch.testing.assert_close(y1, y2)
-    torch.testing.assert_close(x1.grad, x2.grad)
+    # Cross-library, here and below: atol scales with max|twin tensor| (see _twin_tols).
+    torch.testing.assert_close(y1, y2, **_twin_tols(y2))
+    torch.testing.assert_close(x1.grad, x2.grad, **_twin_tols(x2.grad))
     twin = {
         "Dense_0.kernel": lambda b: b.fc1.weight.grad.T,
         "Dense_0.bias": lambda b: b.fc1.bias.grad,
@@ -194,4 +204,6 @@ def test_flax_module_of_a_stack_matches_the_torch_twin():
     }
     for name, p in layer.named_parameters():
         per_layer = torch.stack([twin[name.removeprefix("params.")](b) for b in blocks])
-        torch.testing.assert_close(p.grad, per_layer.reshape(p.shape), msg=name)
+        # Cross-library: atol scales with max|twin gradient| (see _twin_tols).
+        torch.testing.assert_close(p.grad, per_layer.reshape(p.shape), msg=name,
+                                   **_twin_tols(per_layer))
