@@ -222,6 +222,26 @@ def print_targets(results: dict) -> None:
                     _verdict(b <= 2 * a),
                 ]
             )
+    leaves = results.get("leaf_sweep")
+    if leaves:
+        per_leaf = leaves["per_leaf"]
+        rows.append(
+            [
+                "per extra leaf <= 1 us (bridge, fitted slope)",
+                f"pure JAX {per_leaf['pure JAX'] * 1e6:.2f} us, torch "
+                f"{per_leaf['torch'] * 1e6:.2f} us",
+                f"{per_leaf['bridge'] * 1e6:.2f} us",
+                _verdict(per_leaf["bridge"] <= 1e-6),
+            ]
+        )
+        rows.append(
+            [
+                "leaf sweep: all contestants compute the same function",
+                "max |out - pure JAX| / max |out|",
+                f"{leaves['mismatch']:.1e}",
+                _verdict(leaves["mismatch"] <= 1e-4),
+            ]
+        )
     if rows:
         print("Targets (printed, never asserted: timings on a shared machine are noisy)")
         _table(["target", "measured", "ratio", "verdict"], rows)

@@ -14,10 +14,14 @@ What this shows:
       ``torch.utils.checkpoint``;
     * for depths 16 ... 1024: bytes held for backward, time per call and compile seconds of
       ``nn.scan``, ``nn.scan(nn.remat)``, and ``nn.remat_scan`` with 2 and 3 levels, against
-      the torch twin with no checkpoint, per-layer checkpoint and ``checkpoint_sequential``.
+      the torch twin with no checkpoint, per-layer checkpoint and ``checkpoint_sequential``;
+    * for 1 ... 4,096 parameter leaves at a fixed total size: time per call of the bridge,
+      pure JAX and torch eager, and each one's fitted cost per extra leaf
+      (``_bench_leaves.py``).
 
     It prints a table of ratios with PASS/MISS against the project's targets and writes
-    three PNG plots (held bytes, time and compile seconds against depth).
+    four PNG plots (held bytes, time and compile seconds against depth; time against
+    leaves).
 
 How to run:
     pip install -e '.[examples]'
@@ -52,8 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmark_out", help="folder for plots and json")
     parser.add_argument(
         "--only",
-        default="tiny,medium,deep,leaves,sweep",
-        help="comma-separated parts to run: tiny, medium, deep, leaves, sweep",
+        default="tiny,medium,deep,leaves,sweep,leafsweep",
+        help="comma-separated parts to run: tiny, medium, deep, leaves, sweep, leafsweep",
     )
     parser.add_argument(
         "--cpu-dispatch",
@@ -83,8 +87,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
 from _bench_measure import Bridge, PureJax, TorchEager, race  # noqa: E402
-from _bench_report import plot_sweep, print_sweep, print_targets, print_workloads  # noqa: E402
+from _bench_report import (  # noqa: E402
+    fmt_time,
+    plot_sweep,
+    print_sweep,
+    print_targets,
+    print_workloads,
+)
 from _bench_workloads import (  # noqa: E402
     FLAX_VARIANTS,
     RematScan,
@@ -101,7 +112,8 @@ from _bench_workloads import (  # noqa: E402
 SIZES = {
     # medium_width; deep = (depth, width, batch); leaves = depth of the unrolled stack;
     # depths of the sweep; budget = seconds of timed calls per workload (rounds fill it);
-    # sync_row = also measure TINY with synchronous JAX CPU dispatch (child process).
+    # sync_row = also measure TINY with synchronous JAX CPU dispatch (child process);
+    # leaf_counts = parameter leaves of the leaf-count sweep, at a fixed total size.
     "full": dict(
         medium_width=512,
         deep=(128, 128, 64),
@@ -112,6 +124,7 @@ SIZES = {
         warmup=2,
         sweep_repeats=5,
         sync_row=True,
+        leaf_counts=(1, 4, 16, 64, 256, 1024, 4096),
     ),
     "quick": dict(
         medium_width=256,
@@ -123,6 +136,7 @@ SIZES = {
         warmup=1,
         sweep_repeats=1,
         sync_row=False,
+        leaf_counts=(1, 64, 1024),
     ),
     "smoke": dict(
         medium_width=32,
@@ -134,6 +148,7 @@ SIZES = {
         warmup=1,
         sweep_repeats=1,
         sync_row=True,
+        leaf_counts=(1, 4),
     ),
 }
 
@@ -277,7 +292,7 @@ def main() -> None:
         flush=True,
     )
     start = time.perf_counter()
-    results = {"size": size_name, "workloads": [], "sweep": []}
+    results = {"size": size_name, "workloads": [], "sweep": [], "leaf_sweep": None}
     for w in workloads(parts, size):
         t0 = time.perf_counter()
         results["workloads"].append(run_workload(w, size))
@@ -290,6 +305,11 @@ def main() -> None:
     if "sweep" in parts:
         print(f"  sweep over depths {size['depths']} (width 64, batch 32)", flush=True)
         results["sweep"] = sweep(size["depths"], size)
+    if "leafsweep" in parts:
+        print(f"  leaf-count sweep over {size['leaf_counts']}", flush=True)
+        results["leaf_sweep"] = leaf_sweep(
+            size["leaf_counts"], budget=size["budget"] / 2, min_repeats=size["min_repeats"]
+        )
     print(f"measured in {time.perf_counter() - start:.0f} s\n")
     if args.json:
         with open(args.json, "w") as f:
@@ -300,6 +320,10 @@ def main() -> None:
         print_sweep(results["sweep"])
         for path in plot_sweep(results["sweep"], args.out):
             print(f"wrote {path}")
+    if results["leaf_sweep"]:
+        print_leaf_sweep(results["leaf_sweep"], fmt_time)
+        path = os.path.join(args.out, "time_vs_leaves.png")
+        print(f"wrote {plot_leaf_sweep(results['leaf_sweep'], path)}")
     print_targets(results)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -3,7 +3,10 @@
 What this shows: on a machine with a CUDA GPU (and a CUDA build of jaxlib), that the
 bridge follows the device, orders DLPack exchanges on torch's and JAX's streams, does not
 let JAX preallocate the GPU, and how many bytes a deep remat-scan block holds for backward
-on the GPU next to the same depth without remat. Without a GPU it says so and exits 0.
+on the GPU next to the same depth without remat, and what a call costs per parameter
+tensor on the GPU (the benchmark's leaf-count sweep: bridge, pure JAX and torch eager,
+1 to 4,096 leaves at a fixed total size). The ``gpu``-marked tests include the stream
+ordering rules of ``tests/test_exchange_ordering.py``. Without a GPU it says so and exits 0.
 
 How to run:
     python examples/gpu_check.py
@@ -95,6 +98,12 @@ def main() -> int:
     print(f"{'check'.ljust(width)}  result")
     for name, status in rows:
         print(f"{name.ljust(width)}  {status}")
+    print()
+    from _bench_leaves import leaf_sweep, print_leaf_sweep
+    from _bench_report import fmt_time
+
+    print_leaf_sweep(leaf_sweep((1, 16, 256, 1024, 4096), budget=2.0, min_repeats=7,
+                                device="cuda"), fmt_time)
     return result.returncode
 
 

@@ -54,7 +54,8 @@ def _check_train_digits(done, out) -> None:
 
 
 def _check_benchmark(done, out) -> None:
-    for png in ("held_bytes_vs_depth.png", "time_vs_depth.png", "compile_vs_depth.png"):
+    for png in ("held_bytes_vs_depth.png", "time_vs_depth.png", "compile_vs_depth.png",
+                "time_vs_leaves.png"):
         assert (out / png).stat().st_size > 1000, png
     results = json.loads((out / "results.json").read_text())
     names = {r["name"] for r in results["workloads"]}
@@ -66,6 +67,9 @@ def _check_benchmark(done, out) -> None:
     deepest = results["sweep"][-1]["held"]
     assert deepest["remat_scan x2"] < deepest["torch ckpt_seq"] < deepest["torch"]
     assert deepest["remat_scan x3"] <= deepest["remat_scan x2"] < deepest["scan"]
+    leaves = results["leaf_sweep"]
+    assert leaves["counts"] == [1, 4] and leaves["mismatch"] < 1e-4
+    assert set(leaves["per_leaf"]) == {"bridge", "pure JAX", "torch"}
     assert "Targets" in done.stdout
 
 
