@@ -105,7 +105,8 @@ def cpu_view(tensor: torch.Tensor, owner=True) -> np.ndarray:
     The caller has checked the dtype (``_dtypes.numpy_dtype``). ``owner=True`` keeps the
     tensor alive with the view; ``None`` does not (held arrays).
     """
-    tensor = logical(tensor.detach())
+    if tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous():
+        tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
     typestr, np_dtype = _dtypes.view_typestr(tensor.dtype)
     shape = tuple(tensor.shape)
     if 0 in shape:
@@ -163,7 +164,8 @@ class CpuExchange:
 
     def results(self, arrays) -> list[torch.Tensor]:
         """Program results -> torch tensors, after waiting for JAX to compute them."""
-        jax.block_until_ready(arrays)
+        for a in arrays:  # the method: jax.block_until_ready walks a pytree first
+            a.block_until_ready()
         return [cpu_tensor(a) for a in arrays]
 
 
