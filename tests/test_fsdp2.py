@@ -1,0 +1,88 @@
+"""FSDP2 (``fully_shard``, gloo, 2 CPU processes) over a model that holds a FlaxModule.
+
+FSDP2 frees each unsharded parameter with ``storage.resize_(0)`` after use, so every tensor
+that crossed into JAX must stay resizable (issue 15). The pure-torch twin, from the same
+initial weights, runs in the same processes as the control.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("fsdp2_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    root = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs the reference, then the two ranks; ``load(run, kind)`` gives a kind's states."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    # The single-process reference runs first, alone (three JAX processes on two cores
+    # made a DDP rank stall once). Output goes to files, not pipes, so no rank blocks.
+    ref = subprocess.run([sys.executable, str(WORKER), "0", "1", "0", str(tmp / "ref")],
+                         env=_env(), timeout=300, capture_output=True, text=True)
+    port = _free_port()
+    logs = [tmp / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as sink:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), str(rank), "2", str(port), str(tmp / "sharded")],
+                env=_env(), stdout=sink, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failures = {"ref": ref.stderr, "sharded": "".join(
+        f"rank {rank} exited with {p.returncode}:\n{log.read_text()[-3000:]}"
+        for rank, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode)}
+
+    def load(run, kind):
+        path = tmp / f"{run}.{kind}.pt"
+        assert path.exists(), f"the {run} run did not finish {kind}: {failures[run][-3000:]}"
+        return torch.load(path, weights_only=True)
+
+    return load
+
+
+@pytest.mark.parametrize("kind", ["torch", "flax"], ids=["torch-control", "flax"])
+def test_fully_shard_on_two_ranks_equals_single_process_full_batch(runs, kind):
+    sharded, reference = runs("sharded", kind), runs("ref", kind)
+    assert set(sharded["final"]) == set(reference["final"])
+    torch.testing.assert_close(sharded["initial"], reference["initial"], rtol=0, atol=0)
+    torch.testing.assert_close(sharded["final"], reference["final"])
+    for name, value in reference["final"].items():
+        assert not torch.equal(value, reference["initial"][name]), f"{name} did not train"
+
+
+def test_the_flax_model_trains_like_its_torch_twin(runs):
+    """The reference itself: the Flax block and its torch twin end with the same weights."""
+    flax, twin = runs("ref", "flax")["final"], runs("ref", "torch")["final"]
+    as_torch = {k: v for k, v in flax.items() if not k.startswith("1.")}
+    for i in range(2):
+        as_torch[f"1.l{i + 1}.weight"] = flax[f"1.params.Dense_{i}.kernel"].T
+        as_torch[f"1.l{i + 1}.bias"] = flax[f"1.params.Dense_{i}.bias"]
+    assert set(as_torch) == set(twin)
+    for name, value in twin.items():  # float32 across two libraries: scale with magnitude
+        torch.testing.assert_close(as_torch[name], value, rtol=1e-5,
+                                   atol=1e-6 * float(value.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
