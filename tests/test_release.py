@@ -114,10 +114,17 @@ def test_a_noop_move_keeps_the_compiled_programs_and_a_real_one_recompiles():
     m = FlaxModule(Wide(32), example_args=(torch.zeros(2, 32),))
     _train_step(m, 2, 32)
     traces = m.trace_count
+    (call,) = m._caller.calls
+    program = call.program
     m.to("cpu")
     m.float()
+    m.cpu()
+    torch.nn.Sequential(m).to("cpu")
+    # Identity, not only counts: always clearing would rebuild one call with one trace.
+    assert len(m._caller.calls) == 1 and m._caller.calls[0] is call
+    assert call.program is program
     _train_step(m, 2, 32)
-    assert m.trace_count == traces and len(m._caller.calls) == 1
+    assert m.trace_count == traces and len(m._caller.calls) == 1 and m._caller.calls[0] is call
     m.to(torch.bfloat16)
     assert m._caller.calls == []  # the float32 programs are gone with the float32 values
     with torch.no_grad():
