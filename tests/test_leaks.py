@@ -30,6 +30,11 @@ def _stack(width=16, depth=4, batch=8, **kwargs):
                       **kwargs)
 
 
+def _live_buffers() -> int:
+    """Distinct live JAX buffers: jax 0.8.1 keeps two Array objects on y's one (issue 17)."""
+    return len({a.unsafe_buffer_pointer() for a in jax.live_arrays()})
+
+
 def _residual_bytes(m, x):
     """Bytes a forward holds for its backward beyond the inputs and parameters."""
     packed = []
@@ -87,14 +92,14 @@ def test_forward_dropped_without_backward_frees_its_residuals(residuals):
     x = torch.randn(8, 16, requires_grad=True)
     m(x).backward(torch.randn(8, 16))  # compiled and traced
     gc.collect()  # the first call's tracing leaves garbage cycles behind
-    base = len(jax.live_arrays())
+    base = _live_buffers()
     y = m(x)
     node = y.grad_fn
-    held = len(jax.live_arrays()) - base - 1  # JAX buffers beyond y's: the residuals
+    held = _live_buffers() - base - 1  # JAX buffers beyond y's: the residuals
     assert held > 0 if residuals == "save" else held == 0
     assert len(node.saved_tensors) > 0
     del y, node  # no gc.collect(): the graph must not sit in a reference cycle
-    assert len(jax.live_arrays()) == base
+    assert _live_buffers() == base
 
 
 def test_compile_cache_is_lru_bounded_and_evicted_programs_are_freed():
