@@ -6,6 +6,7 @@ Run by tests/test_ddp.py as ``python tests/ddp_worker.py RANK WORLD PORT OUT``; 
 
 import datetime
 import faulthandler
+import gc
 import os
 import sys
 
@@ -59,6 +60,13 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         torch.save(state, out)
     if world > 1:
         dist.barrier()  # neither rank leaves while the other still talks to it
+        # Free DDP's Reducer while the process group is still registered, then destroy the
+        # group: a Reducer holding the last reference destroys the group with the GIL held,
+        # whose gloo thread may need the GIL to free a finished work, and both wait for
+        # ever (torch's own deadlock: 1 run in ~10 hung here, pure-torch DDP included;
+        # pytorch/pytorch#56297, #190489). destroy_process_group releases the GIL.
+        del model, opt, loss
+        gc.collect()
         dist.destroy_process_group()
 
 
