@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 from flaxside._flat import ARRAY, flat_apply
-from flaxside._program import LeafSpec, Program, is_differentiable
+from flaxside._program import Program
+from flaxside._specs import LeafSpec, is_differentiable
 
 jtu = jax.tree_util
 

@@ -30,57 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxside._depends import input_masks
+from flaxside._pack import pack, pack_plan, unpack
+from flaxside._specs import LeafSpec, ResidualMap, is_differentiable
 from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """Shape, dtype and whether a gradient is wanted, for one array leaf of a call."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    diff: bool = False
-
-    @property
-    def aval(self) -> jax.ShapeDtypeStruct:
-        """The abstract value JAX traces with."""
-        return jax.ShapeDtypeStruct(self.shape, self.dtype)
-
-
-def is_differentiable(dtype) -> bool:
-    """Whether a dtype carries gradients (floating or complex)."""
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidualMap:
-    """How the backward rebuilds the VJP that ``forward_with_residuals`` traced.
-
-    Attributes:
-        vjp_treedef: the treedef of the ``jax.vjp`` function object.
-        sources: per VJP leaf, ``("in", i)`` (``saved_inputs[i]``), ``("out", i)``
-            (``saved_outputs[i]``) or ``("res", i)`` (the i-th residual, unpacked).
-        saved_inputs: indices of the input leaves the backward is passed again.
-        saved_outputs: indices of the results the backward is passed again.
-        key_impls: per unpacked residual, the PRNG implementation of a typed key that
-            crosses as raw key data, else ``None``.
-        pack: per unpacked residual, ``("alone", buffer)`` or ``("packed", buffer,
-            offset, shape)``: where it sits in what the forward returns.
-        residual_specs: the residual buffers as they leave the forward.
-        offloaded: per residual buffer, whether an offloading policy put it in host
-            memory (it reaches the backward as a plain array, like every other).
-    """
-
-    vjp_treedef: Any
-    sources: tuple[tuple[str, int], ...]
-    saved_inputs: tuple[int, ...]
-    saved_outputs: tuple[int, ...]
-    key_impls: tuple
-    pack: tuple
-    residual_specs: tuple[LeafSpec, ...]
-    offloaded: tuple[bool, ...]
 
 
 def _distinct(results: list, inputs: Sequence) -> list:
@@ -98,87 +52,6 @@ def _distinct(results: list, inputs: Sequence) -> list:
             r = jnp.array(r, copy=True)
         seen.add(id(r))
         out.append(r)
-    return out
-
-
-PACK_BYTES = 64 * 1024  # arrays this small cross the boundary packed, one buffer per dtype
-
-
-def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
-    """Where each array goes when small ones cross the boundary as one buffer per dtype.
-
-    Every array that crosses to torch costs per tensor (a conversion each way, a tensor
-    torch tracks), which dominated calls with many small residuals or parameters. Small
-    arrays are concatenated per dtype inside the program and cross as one buffer; large
-    ones (and those ``alone`` marks) cross alone, without a copy.
-
-    Args:
-        avals: shapes and dtypes (anything with ``.shape`` and ``.dtype``).
-        alone: per array, whether it must cross alone whatever its size.
-
-    Returns:
-        ``(placement, buffers)``: per array ``("alone", b)`` or ``("packed", b, offset,
-        shape)`` into the buffers, and per buffer ``LeafSpec``. With fewer than two small
-        arrays nothing is packed.
-    """
-    small = []
-    for k, a in enumerate(avals):
-        size = int(np.prod(a.shape, dtype=np.int64))
-        small.append(not (alone is not None and alone[k])
-                     and size * np.dtype(a.dtype).itemsize <= PACK_BYTES)
-    if sum(small) < 2:
-        return (tuple(("alone", k) for k in range(len(avals))),
-                tuple(LeafSpec(tuple(a.shape), np.dtype(a.dtype)) for a in avals))
-    buffers, groups, placement = [], {}, []
-    for a, is_small in zip(avals, small, strict=True):
-        if not is_small:
-            placement.append(("alone", len(buffers)))
-            buffers.append(LeafSpec(tuple(a.shape), np.dtype(a.dtype)))
-        else:
-            placement.append(("packed", groups.setdefault(np.dtype(a.dtype), []), a.shape))
-            placement[-1][1].append(a)
-    order, offsets = {}, {}
-    for dtype, group in groups.items():
-        order[id(group)] = len(buffers)
-        offsets[id(group)] = 0
-        total = sum(int(np.prod(a.shape, dtype=np.int64)) for a in group)
-        buffers.append(LeafSpec((total,), dtype))
-    out = []
-    for entry in placement:
-        if entry[0] == "alone":
-            out.append(entry)
-            continue
-        _, group, shape = entry
-        offset = offsets[id(group)]
-        offsets[id(group)] = offset + int(np.prod(shape, dtype=np.int64))
-        out.append(("packed", order[id(group)], offset, tuple(shape)))
-    return tuple(out), tuple(buffers)
-
-
-def pack(arrays: list, placement) -> list:
-    """The buffers ``placement`` (from ``pack_plan``) describes, built inside a program."""
-    buffers: dict[int, Any] = {}
-    groups: dict[int, list] = {}
-    for x, entry in zip(arrays, placement, strict=True):
-        if entry[0] == "alone":
-            buffers[entry[1]] = x
-        else:  # offsets follow the order of the arrays (pack_plan)
-            groups.setdefault(entry[1], []).append(x.reshape(-1))
-    for b, parts in groups.items():
-        buffers[b] = jnp.concatenate(parts)
-    return [buffers[b] for b in range(len(buffers))]
-
-
-def unpack(buffers: list, placement) -> list:
-    """The arrays ``pack`` was given, sliced back out of its buffers."""
-    out = []
-    for entry in placement:
-        if entry[0] == "alone":
-            out.append(buffers[entry[1]])
-        else:
-            _, i, offset, shape = entry
-            size = int(np.prod(shape, dtype=np.int64))
-            out.append(buffers[i][offset : offset + size].reshape(shape))
     return out
 
 
@@ -264,7 +137,8 @@ class Program:
         self.name = name
         self.fence = fence
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
-        self.grad_pack, self.grad_specs = pack_plan([self.specs[i] for i in self.diff_index])
+        self.grad_pack, buffers = pack_plan([self.specs[i] for i in self.diff_index])
+        self.grad_specs = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
         self.trace_count = 0
         self._lock = threading.Lock()
         found = []

@@ -1,0 +1,77 @@
+"""Small arrays cross the boundary packed: one flat buffer per dtype.
+
+Every array that crosses to torch costs per tensor (a conversion each way, a tensor torch
+tracks), which dominated calls with many small residuals or parameters. Inside a program,
+small arrays are concatenated per dtype and cross as one buffer; large ones (and those the
+caller marks) cross alone, without a copy. ``Program`` packs its residuals and its
+gradients this way; torch takes views of the gradient buffers (``torchside/_call.py``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+PACK_BYTES = 64 * 1024  # arrays this small cross the boundary packed, one buffer per dtype
+
+
+def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
+    """Where each array goes when small ones cross as one buffer per dtype.
+
+    Args:
+        avals: shapes and dtypes (anything with ``.shape`` and ``.dtype``).
+        alone: per array, whether it must cross alone whatever its size.
+
+    Returns:
+        ``(placement, buffers)``: per array ``("alone", b)`` or ``("packed", b, offset,
+        shape)`` into the buffers, and per buffer its ``(shape, dtype)``: the arrays that
+        cross alone first, then one flat buffer per dtype, in order of first use. With
+        fewer than two small arrays nothing is packed.
+    """
+    shapes = [tuple(a.shape) for a in avals]
+    dtypes = [np.dtype(a.dtype) for a in avals]
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    small = [not (alone is not None and alone[k]) and sizes[k] * dtypes[k].itemsize <= PACK_BYTES
+             for k in range(len(avals))]
+    if sum(small) < 2:
+        small = [False] * len(avals)
+    buffers = [(shapes[k], dtypes[k]) for k in range(len(avals)) if not small[k]]
+    n_alone = len(buffers)
+    groups: dict[np.dtype, list[int]] = {}  # dtype -> [buffer index, elements so far]
+    placement = []
+    for k in range(len(avals)):
+        if not small[k]:
+            placement.append(("alone", k - sum(small[:k])))
+            continue
+        group = groups.setdefault(dtypes[k], [n_alone + len(groups), 0])
+        placement.append(("packed", group[0], group[1], shapes[k]))
+        group[1] += sizes[k]
+    buffers += [((total,), dtype) for dtype, (_, total) in groups.items()]
+    return tuple(placement), tuple(buffers)
+
+
+def pack(arrays: list, placement) -> list:
+    """The buffers ``placement`` (from ``pack_plan``) describes, built inside a program."""
+    buffers: dict[int, object] = {}
+    groups: dict[int, list] = {}
+    for x, entry in zip(arrays, placement, strict=True):
+        if entry[0] == "alone":
+            buffers[entry[1]] = x
+        else:  # offsets follow the order of the arrays (pack_plan)
+            groups.setdefault(entry[1], []).append(x.reshape(-1))
+    for b, parts in groups.items():
+        buffers[b] = jnp.concatenate(parts)
+    return [buffers[b] for b in range(len(buffers))]
+
+
+def unpack(buffers: list, placement) -> list:
+    """The arrays ``pack`` was given, sliced back out of its buffers."""
+    out = []
+    for entry in placement:
+        if entry[0] == "alone":
+            out.append(buffers[entry[1]])
+        else:
+            _, i, offset, shape = entry
+            size = int(np.prod(shape, dtype=np.int64))
+            out.append(buffers[i][offset : offset + size].reshape(shape))
+    return out
