@@ -11,7 +11,8 @@ import torch
 
 import bridge
 from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply, is_differentiable
-from torchside._call import CompiledCall, Signature
+from torchside._call import CompiledCall
+from torchside._caller import Signature
 
 jtu = jax.tree_util
 

@@ -8,8 +8,8 @@ opaque (the PyTorch docs' way to wrap a foreign library):
 
 Both go through the module's ``Caller``: the same signatures, the same LRU cache and held
 arrays as eager calls, and the same ``save_for_backward`` / ``scatter_grads`` as
-``BridgeFunction`` (NOTE [Call path] in ``_call.py``). Ops can carry only ints and strings:
-a caller is named by its ``compile_id`` (``_call.CALLERS`` holds callers weakly, so nothing
+``BridgeFunction`` (NOTE [Call path] in ``_caller.py``). Ops can carry only ints and strings:
+a caller is named by its ``compile_id`` (``_caller.CALLERS`` holds callers weakly, so nothing
 here outlives a module), a compiled call by its key. ``register_fake`` builds the call from
 the fake tensors' metadata (shapes are specialized: JAX compiles per shape anyway); the
 output structure is read after it, from the call it built (``_layout``). RNG keys are
@@ -23,7 +23,8 @@ import jax
 import torch
 
 import bridge
-from torchside._call import CALLERS, save_for_backward, scatter_grads
+from torchside._call import save_for_backward, scatter_grads
+from torchside._caller import CALLERS
 
 jtu = jax.tree_util
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax
 
 from flaxside.internal import WriteBack
-from torchside._call import Caller, Owner
+from torchside._caller import Caller, Owner
 
 _NO_STATE = jax.tree_util.tree_structure(((), None))
 

@@ -8,7 +8,7 @@ import torch
 import bridge
 import flaxside
 from flaxside.internal import adapter_for, init_linen, key_data_shape
-from torchside._call import Caller, Owner
+from torchside._caller import Caller, Owner
 from torchside._compile import compiled_call
 from torchside._variables import attach_variables, current_tensors, run_scope_hooks
 
