@@ -5,56 +5,26 @@ that crossed into JAX must stay resizable (issue 15). The pure-torch twin, from 
 initial weights, runs in the same processes as the control.
 """
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ranks import run_reference, run_two_ranks
+
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    root = str(Path(__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Runs the reference, then the two ranks; ``load(run, kind)`` gives a kind's states."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    # The single-process reference runs first, alone (three JAX processes on two cores
-    # made a DDP rank stall once). Output goes to files, not pipes, so no rank blocks.
-    ref = subprocess.run([sys.executable, str(WORKER), "0", "1", "0", str(tmp / "ref")],
-                         env=_env(), timeout=300, capture_output=True, text=True)
-    port = _free_port()
+    ref = run_reference(WORKER, tmp / "ref")
     logs = [tmp / f"rank{rank}.log" for rank in range(2)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with open(log, "w") as sink:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), str(rank), "2", str(port), str(tmp / "sharded")],
-                env=_env(), stdout=sink, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = run_two_ranks(WORKER, tmp / "sharded", logs)
     failures = {"ref": ref.stderr, "sharded": "".join(
-        f"rank {rank} exited with {p.returncode}:\n{log.read_text()[-3000:]}"
-        for rank, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode)}
+        f"rank {rank} exited with {code}:\n{log.read_text()[-3000:]}"
+        for rank, (code, log) in enumerate(zip(codes, logs, strict=True)) if code)}
 
     def load(run, kind):
         path = tmp / f"{run}.{kind}.pt"
