@@ -50,7 +50,10 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, name: str = "tenso
             f"to_jax: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}."
         )
     _dtypes.numpy_dtype(tensor.dtype, name=name)
-    device = _devices.jax_device(tensor.device, name=name)
+    try:
+        device = _devices.jax_device(tensor.device, name=name)
+    except ValueError as e:
+        raise ValueError(f"to_jax: {e}") from None
     if copy is False and not is_zero_copy(tensor):
         if not tensor.is_contiguous():
             reason = "not contiguous (transposed, sliced or expanded)"

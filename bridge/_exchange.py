@@ -11,25 +11,34 @@ NOTE [Exchange]. Every route is zero-copy where JAX can use the memory in place.
 
 Held arrays (``HeldArrays``): an owner's parameters and buffers keep their memory from
 call to call (optimizers and ``load_state_dict`` write in place), so each gets one JAX
-array over that memory, reused while the tensor's address, dtype, shape, strides and flags
-are unchanged, and replaced (releasing the old one) at the first call that sees otherwise.
-Old bits are never read as a new dtype or shape.
+array over that memory, reused while the tensor's address, device, dtype, shape, strides
+and flags are unchanged, and replaced (releasing the old one) at the first call that sees
+otherwise. Old bits are never read as a new dtype or shape, nor one device's memory as
+another's.
 
-Ordering. A jitted call returns before it has run, so ``results`` waits for its results
-before torch may read them; results depend on the inputs they read, so no input can be
-overwritten by torch while JAX still reads it. On CUDA, a DLPack import orders JAX's
-stream after torch's current stream for that one tensor, but a held array was imported
-once, long before torch's latest writes to it (an optimizer step). ``fence()`` imports
-one tiny tensor per call, ordered after everything torch has queued on its current stream,
-and every program takes it as an argument it waits for (``keep_unused``): one ordering
-per call instead of one import per parameter. Exports pass torch's current stream, so
-torch's later work waits for JAX's.
+Ordering. Every program runs through its exchange's ``run``, the one place that orders
+JAX's work after torch's and torch's after JAX's:
+
+* CPU: a jitted call returns before it has run, so ``run`` waits for the results before
+  torch may read them; results depend on the inputs they read, so no input can be
+  overwritten by torch while JAX still reads it.
+* DLPack: a held array was imported once, long before torch's latest write to it (an
+  optimizer step), so importing it ordered nothing this call. Before each program ``run``
+  imports one tiny fence tensor (torch's current stream -> an event -> JAX's stream: JAX's
+  ``from_dlpack`` passes its stream to torch's ``__dlpack__``), and the program takes it
+  as an argument it waits for (``keep_unused``): one fence per run, after every write
+  torch has queued, before JAX reads anything. Results are exported to torch's current
+  stream (``torch.from_dlpack`` passes it to JAX's ``__dlpack__``), so torch's next work,
+  a write to an output included, waits for JAX's. ``record_ordering`` records these
+  steps, so that tests check them on a CPU (``tests/test_exchange_ordering.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools as ft
 import os
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -120,7 +129,8 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
     typestr, view_as = _dtypes.typestr(array.dtype)
     shape = array.shape
     if 0 in shape:  # not array.size: a Python property, slower on this path
-        return torch.empty(shape, dtype=view_as or _dtypes.torch_dtype(array.dtype))
+        return torch.empty(shape, dtype=view_as or _dtypes.torch_dtype(array.dtype),
+                           device="cpu")  # not torch's default device, which may be a GPU
     out = torch.from_numpy(np.asarray(
         _Memory(array, array.unsafe_buffer_pointer(), shape, typestr)))
     return out if view_as is None else out.view(view_as)
@@ -131,16 +141,80 @@ def _holdable(tensor: torch.Tensor) -> bool:
             and not tensor.is_neg() and tensor.data_ptr() % ALIGNMENT == 0)
 
 
+def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
+    return ValueError(
+        f"flaxtorch: a tensor on {tensor.device} reached a call that runs on {device}. If "
+        f"a saved-tensor hook moves tensors (e.g. to offload them), its unpack hook must "
+        f"move them back to the device they came from."
+    )
+
+
+class OrderingEvent(NamedTuple):
+    """One ordering step of the DLPack route, as ``record_ordering`` sees it.
+
+    Attributes:
+        kind: ``"torch->jax"``: JAX's stream now waits for everything torch has queued on
+            its current stream (the fence); ``"run"``: a program is dispatched;
+            ``"jax->torch"``: torch's current stream now waits for the program's results.
+        device: the torch device the program runs on.
+        stream: torch's current CUDA stream (``cuda_stream``) at that step; ``None`` on CPU.
+        detail: for ``"run"`` the program's name, for ``"jax->torch"`` the memory handed to
+            torch, as ``(data pointer, bytes)`` per tensor.
+    """
+
+    kind: str
+    device: torch.device
+    stream: int | None = None
+    detail: object = None
+
+
+_recorders: list[list] = []
+
+
+@contextlib.contextmanager
+def record_ordering():
+    """Records the ordering steps every DLPack-route ``run`` takes, in order.
+
+    With ``FLAXTORCH_EXCHANGE=dlpack`` a CPU run makes exactly the calls a CUDA run makes,
+    so a test can check, without a GPU, that each program run is fenced once, after
+    torch's writes and before JAX reads, and that its results are handed back to torch's
+    stream before torch touches them. Yields the list of ``OrderingEvent``s; a test may
+    append markers of its own to it.
+
+    Example:
+        >>> with record_ordering() as log:
+        ...     pass
+        >>> log
+        []
+    """
+    log: list = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _record(kind: str, device: torch.device, detail=None) -> None:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    event = OrderingEvent(kind, device, stream, detail)
+    for log in _recorders:
+        log.append(event)
+
+
 class CpuExchange:
     """Pointer views on CPU (see NOTE [Exchange])."""
 
     dlpack = False
 
-    def __init__(self, device):
+    def __init__(self, device, torch_device: torch.device):
         self.device = device  # the JAX device
+        self.torch_device = torch_device
 
     def view(self, tensor: torch.Tensor):
         """What a program takes for ``tensor`` in this call."""
+        if not tensor.is_cpu:  # a pointer view of another device's memory is never right
+            raise _elsewhere(tensor, self.torch_device)
         return cpu_view(tensor)
 
     def hold(self, tensor: torch.Tensor):
@@ -151,6 +225,8 @@ class CpuExchange:
         memory the user replaced is released at once (FSDP2 frees and re-gathers parameter
         storage between calls). JAX never writes to or frees it.
         """
+        if not tensor.is_cpu:
+            raise _elsewhere(tensor, self.torch_device)
         if not _holdable(tensor):
             return None
         array = jax.device_put(cpu_view(tensor, owner=None), self.device)
@@ -158,28 +234,31 @@ class CpuExchange:
             return None
         return array
 
-    def fence(self) -> tuple:
-        """Nothing to order on CPU: results are awaited before torch reads them."""
-        return ()
+    def run(self, program, *args) -> tuple[list, list[torch.Tensor]]:
+        """Runs ``program(*args)``: its result arrays, and torch tensors over them.
 
-    def results(self, arrays) -> list[torch.Tensor]:
-        """Program results -> torch tensors, after waiting for JAX to compute them."""
+        Waits for JAX to compute the results before torch may read them.
+        """
+        arrays = program(*args)
         for a in arrays:  # the method: jax.block_until_ready walks a pytree first
             a.block_until_ready()
-        return [cpu_tensor(a) for a in arrays]
+        return arrays, [cpu_tensor(a) for a in arrays]
 
 
 class DlpackExchange:
-    """``__dlpack__`` both ways, one fence per call (see NOTE [Exchange])."""
+    """``__dlpack__`` both ways, one fence per program run (see NOTE [Exchange])."""
 
     dlpack = True
 
     def __init__(self, device, torch_device: torch.device):
         self.device = device
+        self.torch_device = torch_device
         self._fence = torch.zeros(1, dtype=torch.uint8, device=torch_device)
 
     def view(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory, ordered after torch's pending writes to it."""
+        if tensor.device != self.torch_device:
+            raise _elsewhere(tensor, self.torch_device)
         tensor = logical(tensor.detach())
         if 0 in tensor.shape:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
@@ -189,8 +268,11 @@ class DlpackExchange:
         """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
 
         The import keeps the tensor alive until the array is dropped (the next call that
-        finds the tensor replaced). Reads are ordered by ``fence()``, not by the import.
+        finds the tensor replaced). Reads are ordered by the fence in ``run``, not by the
+        import.
         """
+        if tensor.device != self.torch_device:
+            raise _elsewhere(tensor, self.torch_device)
         if not _holdable(tensor) or 0 in tensor.shape:
             return None
         array = jax.dlpack.from_dlpack(tensor.detach())
@@ -198,20 +280,31 @@ class DlpackExchange:
             return None
         return array
 
-    def fence(self) -> tuple:
-        """One array, ready once everything torch has queued on its current stream is."""
-        return (jax.dlpack.from_dlpack(self._fence),)
+    def run(self, program, *args) -> tuple[list, list[torch.Tensor]]:
+        """Runs ``program(*args, fence)``: its result arrays, and torch tensors over them.
 
-    def results(self, arrays) -> list[torch.Tensor]:
-        """Program results -> torch tensors; torch's stream waits for JAX's (``__dlpack__``)."""
-        return [torch.from_dlpack(a) for a in arrays]
+        ``program`` is compiled with one more argument, the fence, that it waits for.
+        """
+        device = self.torch_device
+        # torch's current stream -> event -> JAX's stream, after everything torch queued.
+        fence = jax.dlpack.from_dlpack(self._fence)
+        if _recorders:
+            _record("torch->jax", device)
+            _record("run", device, getattr(program, "__name__", repr(program)))
+        arrays = program(*args, fence)
+        # JAX's results -> torch's current stream (JAX's __dlpack__ is given torch's stream).
+        tensors = [torch.from_dlpack(a) for a in arrays]
+        if _recorders:
+            _record("jax->torch", device,
+                    tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
+        return arrays, tensors
 
 
 @ft.cache
 def _exchange(device: torch.device, mode: str):
     jax_device = _devices.jax_device(device)
     if device.type == "cpu" and mode == "auto":
-        return CpuExchange(jax_device)
+        return CpuExchange(jax_device, device)
     return DlpackExchange(jax_device, device)
 
 
@@ -223,10 +316,10 @@ def exchange_for(device: torch.device):
 class HeldArrays:
     """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
 
-    Per slot it keeps the tensor's address, dtype, shape, ``requires_grad`` and the array
-    (``None`` when the tensor cannot be held: a non-leaf, such as an autocast copy or a
-    parametrized weight, unaligned or non-compact memory; those get a fresh view each call).
-    See NOTE [Exchange] for when a held array is valid.
+    Per slot it keeps the tensor's address, dtype, shape, ``requires_grad``, exchange, the
+    array (``None`` when the tensor cannot be held: a non-leaf, such as an autocast copy or
+    a parametrized weight, unaligned or non-compact memory; those get a fresh view each
+    call) and device. See NOTE [Exchange] for when a held array is valid.
     """
 
     __slots__ = ("_slots",)
@@ -235,11 +328,15 @@ class HeldArrays:
         self._slots: list = []
 
     def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
-        """Arrays for ``tensors`` (one per slot), and whether a dtype, shape or grad flag changed.
+        """Arrays for ``tensors`` (one per slot), and whether a signature-relevant flag changed.
 
-        A slot whose tensor moved (same dtype and shape, another address or layout) gets a
-        new array, which is no change of signature. ``grads`` replaces the tensors'
-        ``requires_grad`` flags (inside a custom op, tensors arrive detached).
+        Signature-relevant: a device, dtype, shape or grad flag. A slot whose tensor moved
+        (same device, dtype and shape, another address or layout) gets a new array, which is
+        no change of signature. ``grads`` replaces the tensors' ``requires_grad`` flags
+        (inside a custom op, tensors arrive detached).
+
+        Raises:
+            ValueError: a tensor is not on ``exchange``'s device (nothing is held for it).
         """
         slots = self._slots
         changed = len(slots) != len(tensors)
@@ -259,10 +356,12 @@ class HeldArrays:
                     if t.is_contiguous() and not t.is_conj() and not t.is_neg():
                         out.append(array)
                         continue
-            if s is None or s[1] is not t.dtype or s[2] != t.shape or s[3] != grad:
+            # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
+            if (s is None or s[1] is not t.dtype or s[2] != t.shape or s[3] != grad
+                    or s[6] != t.device):
                 changed = True
             array = exchange.hold(t)
-            slots[i] = (ptr, t.dtype, t.shape, grad, exchange, array)
+            slots[i] = (ptr, t.dtype, t.shape, grad, exchange, array, t.device)
             out.append(exchange.view(t) if array is None else array)
         return out, changed
 

@@ -23,6 +23,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from flaxside._device import compiling_for
 from flaxside._leaves import (
     Leaves,
     WriteBack,
@@ -39,11 +40,13 @@ jtu = jax.tree_util
 INVERTED_TRAIN_KWARGS = frozenset({"deterministic", "use_running_average", "eval", "inference"})
 
 
-def init_linen(module: nn.Module, rngs: dict, args: tuple, kwargs: dict):
-    """``module.init(rngs, *args, **kwargs)`` compiled as one program.
+def init_linen(module: nn.Module, rngs: dict, args: tuple, kwargs: dict, device=None):
+    """``module.init(rngs, *args, **kwargs)`` compiled as one program, run on ``device``.
 
     Flax's ``init`` run op by op costs seconds for a scanned stack; jitted it is one
     compile. Array leaves of the arguments are traced; every other leaf stays static.
+    ``device`` (``None``: JAX's default) is where the variables are computed: the caller
+    picks it, so that a host whose default backend is a GPU does not decide for it.
     """
     leaves, treedef = jtu.tree_flatten((tuple(args), dict(kwargs)))
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
@@ -55,7 +58,11 @@ def init_linen(module: nn.Module, rngs: dict, args: tuple, kwargs: dict):
         a, k = jtu.tree_unflatten(treedef, full)
         return module.init(rngs, *a, **k)
 
-    return jax.jit(init)(rngs, [leaves[i] for i in arrays])
+    values = [leaves[i] for i in arrays]
+    if device is not None:
+        rngs, values = jax.device_put((rngs, values), device)
+    with compiling_for(device):
+        return jax.jit(init)(rngs, values)
 
 
 class LinenAdapter(Leaves):
@@ -245,6 +252,10 @@ class NNXAdapter(Leaves):
     def graphdef(self):
         """The module graph as first split (before any forward changed it)."""
         return self._graphs[0]
+
+    def graph(self, gid: int):
+        """The module graph numbered ``gid`` (in train mode, see ``_train_mode_graph``)."""
+        return self._graphs[gid]
 
     def mutable_index(self, training: bool) -> tuple[int, ...]:
         """Every non-Param leaf is written back in training mode; none in eval mode.

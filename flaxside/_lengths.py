@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import jax
 
+from flaxside._device import jax_default_device, target_device
 from flaxside._memory import format_bytes, memory_report
 from flaxside._stack_core import stack_apply
 
@@ -33,10 +34,20 @@ def cached(key, compute):
     return _MEASURED[key]
 
 
+def _measuring_device():
+    """Where the stack will run, so that memory is measured for that backend.
+
+    The device of the program being traced (``Program``), else JAX's default device (a
+    stack used from plain JAX).
+    """
+    return target_device() or jax_default_device()
+
+
 def signature(tree) -> tuple:
-    """A hashable summary of a pytree of arrays: structure, shapes, dtypes, backend."""
+    """A hashable summary of a pytree of arrays: structure, shapes, dtypes, platform."""
     leaves, treedef = jtu.tree_flatten(tree)
-    return treedef, tuple((a.shape, str(a.dtype)) for a in leaves), jax.default_backend()
+    return (treedef, tuple((a.shape, str(a.dtype)) for a in leaves),
+            _measuring_device().platform)
 
 
 def factorizations(depth: int, levels: int) -> list[tuple[int, ...]]:
@@ -164,6 +175,7 @@ def choose_stack_lengths(
     """
     shape = jax.ShapeDtypeStruct
     stacked = jtu.tree_map(lambda a: shape((depth, *a.shape), a.dtype), layer_params)
+    device = _measuring_device()  # memory differs between backends: measure where it runs
 
     def measure():
         rows = []
@@ -172,7 +184,7 @@ def choose_stack_lengths(
                 return stack_apply(layer_fn, params, carry, consts, lengths=lengths,
                                    policy=policy, layout=(depth,))
 
-            report = memory_report(fn, stacked, carry, consts)
+            report = memory_report(fn, stacked, carry, consts, device=device)
             rows.append((lengths, report.held_bytes, report.backward_temp_bytes or 0,
                          report.compile_seconds))
         return tuple(rows)

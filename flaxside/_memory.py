@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from flaxside._device import describe, jax_default_device
 from flaxside._flat import ARRAY, flat_apply
 from flaxside._program import Program
 from flaxside._specs import LeafSpec, is_differentiable
@@ -43,6 +44,7 @@ class MemoryReport:
         backward_temp_bytes: XLA's scratch memory for the backward program.
         compile_seconds: trace, lowering and compilation of both programs.
         residual_count: how many arrays make up ``held_bytes``.
+        device: the device both programs were compiled for (``cpu:0``, ``gpu:1``).
     """
 
     held_bytes: int
@@ -51,6 +53,7 @@ class MemoryReport:
     backward_temp_bytes: int | None
     compile_seconds: float
     residual_count: int = 0
+    device: str = ""
 
     def __str__(self) -> str:
         rows = [
@@ -60,7 +63,8 @@ class MemoryReport:
             ("backward temp", format_bytes(self.backward_temp_bytes), "XLA memory analysis"),
             ("compile", f"{self.compile_seconds:10.2f} s ", "forward + backward"),
         ]
-        return "MemoryReport\n" + "\n".join(f"  {a:<17}{b}  {c}".rstrip() for a, b, c in rows)
+        head = f"MemoryReport ({self.device})" if self.device else "MemoryReport"
+        return head + "\n" + "\n".join(f"  {a:<17}{b}  {c}".rstrip() for a, b, c in rows)
 
 
 def _abstract(x):
@@ -71,7 +75,18 @@ def _abstract(x):
     return None
 
 
-def memory_report(target, *example_args, variables=None, seed: int = 0, **example_kwargs):
+def _device_of(leaves):
+    """The device of the first array placed on one device, else ``None``."""
+    for x in leaves:
+        sharding = getattr(x, "sharding", None)
+        devices = getattr(sharding, "device_set", None)
+        if devices is not None and len(devices) == 1:
+            return next(iter(devices))
+    return None
+
+
+def memory_report(target, *example_args, variables=None, seed: int = 0, device=None,
+                  **example_kwargs):
     """Compiles a block's forward-with-residuals and backward and reports their memory.
 
     Nothing runs and no data is allocated: arrays may be ``jax.ShapeDtypeStruct``. Every
@@ -86,6 +101,9 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, **exampl
         variables: Linen variables (arrays or shape structs); default: shapes of
             ``target.init``.
         seed: the seed for ``target.init`` when ``variables`` is not given.
+        device: the JAX device to compile for (memory differs between backends). Default:
+            the device of the first array argument placed on one (a ``jax.Array``, or a
+            shape struct with a ``sharding``), else JAX's default device.
         **example_kwargs: keyword call arguments.
 
     Returns:
@@ -143,7 +161,10 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, **exampl
         )
     fn = flat_apply(lambda v, *a, **k: (apply(v, *a, **k), [], None), var_treedef,
                     arg_treedef, slots)
-    program = Program(fn, specs, name=f"memory_report({type(target).__name__})")
+    if device is None:
+        device = _device_of(arg_leaves) or jax_default_device()
+    program = Program(fn, specs, name=f"memory_report({type(target).__name__})",
+                      device=device)
     compiled = program.compile_for_report()
     residual_specs = program.residual_map().residual_specs
     (fwd, fwd_s), (bwd, bwd_s) = compiled["forward_with_residuals"], compiled["backward"]
@@ -155,4 +176,5 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, **exampl
         backward_temp_bytes=getattr(bwd_mem, "temp_size_in_bytes", None),
         compile_seconds=fwd_s + bwd_s,
         residual_count=len(residual_specs),
+        device=describe(device),
     )

@@ -4,9 +4,12 @@
 one flat list of array leaves (the owner's variables first, then the call's arrays):
 
 * ``forward(leaves) -> results``: outputs then aux leaves; nothing kept for a backward;
-* ``forward_with_residuals(leaves) -> (results, residuals)``;
+* ``forward_with_residuals(leaves) -> results + residuals`` (one flat list);
 * ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> gradient buffers``;
 * ``backward_recompute(leaves, cotangents) -> gradient buffers`` (forward rerun inside).
+
+Every executable is lowered for one device (``device``; see ``_device.py``): its arguments
+are placed there and its results come back there, whatever JAX's default device is.
 
 Small gradients leave the backward packed, one buffer per dtype (``grad_pack``), as small
 residuals leave the forward: a call then costs per buffer, not per parameter.
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxside._depends import input_masks
+from flaxside._device import aval, compiling_for
 from flaxside._pack import pack, pack_plan, unpack
 from flaxside._specs import LeafSpec, ResidualMap, is_differentiable
 from flaxside._vjp_leaves import label_leaves
@@ -56,8 +60,8 @@ def _distinct(results: list, inputs: Sequence) -> list:
 
 
 def _memory_space(x) -> str:
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
-    space = getattr(aval, "memory_space", None)
+    abstract = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
+    space = getattr(abstract, "memory_space", None)
     return "device" if space is None else str(getattr(space, "name", space)).lower()
 
 
@@ -109,6 +113,9 @@ class Program:
         name: used in error messages.
         fence: every program takes one more array after its arguments and waits until it
             is ready (see ``bridge``'s ordering note); kept even though nothing reads it.
+        device: the JAX device every executable is lowered for (arguments are placed
+            there, results come back there); ``None`` leaves placement to JAX (its default
+            device), as a plain ``jax.jit`` would.
 
     Attributes:
         out_specs: one ``LeafSpec`` per output then aux leaf; ``diff`` marks the outputs
@@ -127,15 +134,16 @@ class Program:
     Example:
         >>> fn = lambda xs: (xs[0] * xs[1], [], None)
         >>> p = Program(fn, [LeafSpec((2,), np.float32, True)] * 2)
-        >>> out, res = p.forward_with_residuals([np.ones(2, np.float32)] * 2)
+        >>> out, *res = p.forward_with_residuals([np.ones(2, np.float32)] * 2)
     """
 
     def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, name: str = "program",
-                 fence: bool = False):
+                 fence: bool = False, device=None):
         self.fn = fn
         self.specs = tuple(specs)
         self.name = name
         self.fence = fence
+        self.device = device
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
         self.grad_pack, buffers = pack_plan([self.specs[i] for i in self.diff_index])
         self.grad_specs = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
@@ -148,7 +156,8 @@ class Program:
             found.append(structure)
             return results
 
-        closed = jax.make_jaxpr(abstract)([s.aval for s in self.specs])
+        with compiling_for(device):  # code traced inside may compile for the device
+            closed = jax.make_jaxpr(abstract)([s.aval for s in self.specs])
         (self._structure,) = found
         self.out_treedef = self._structure.out_treedef
         self.n_out = self._structure.n_out
@@ -285,11 +294,21 @@ class Program:
         return pack(_distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
 
     # -- compilation -------------------------------------------------------------------
+    def _avals(self, specs) -> list:
+        """Abstract arguments placed on the program's device."""
+        return [aval(s.shape, s.dtype, self.device) for s in specs]
+
     def _fence_avals(self) -> tuple:
-        return (jax.ShapeDtypeStruct((1,), np.uint8),) if self.fence else ()
+        return (aval((1,), np.uint8, self.device),) if self.fence else ()
+
+    def _lower(self, body: Callable, *avals):
+        with compiling_for(self.device):
+            return jax.jit(body, keep_unused=self.fence).lower(*avals, *self._fence_avals())
 
     def _compile(self, body: Callable, *avals):
-        return jax.jit(body, keep_unused=self.fence).lower(*avals, *self._fence_avals()).compile()
+        lowered = self._lower(body, *avals)
+        with compiling_for(self.device):
+            return lowered.compile()
 
     def residual_map(self) -> ResidualMap:
         """The residual map; the first call traces and lowers ``forward_with_residuals``."""
@@ -301,10 +320,9 @@ class Program:
                     def body(leaves, *fence):
                         results, buffers, residual_map = self._forward_res_body(leaves)
                         found.append(residual_map)
-                        return results, buffers
+                        return results + buffers
 
-                    lowered = jax.jit(body, keep_unused=self.fence).lower(
-                        [s.aval for s in self.specs], *self._fence_avals())
+                    lowered = self._lower(body, self._avals(self.specs))
                     (residual_map,) = found
                     self._fwd_res_lowered = lowered
                     self._residual_map = residual_map
@@ -312,10 +330,10 @@ class Program:
 
     def _backward_avals(self, rmap: ResidualMap) -> tuple:
         return (
-            [self.specs[j].aval for j in rmap.saved_inputs],
-            [self.out_specs[k].aval for k in rmap.saved_outputs],
-            [s.aval for s in rmap.residual_specs],
-            [self.out_specs[k].aval for k in self.diff_out_index],
+            self._avals(self.specs[j] for j in rmap.saved_inputs),
+            self._avals(self.out_specs[k] for k in rmap.saved_outputs),
+            self._avals(rmap.residual_specs),
+            self._avals(self.out_specs[k] for k in self.diff_out_index),
         )
 
     def _executable(self, attr: str, make: Callable):
@@ -333,16 +351,24 @@ class Program:
         """Outputs (then aux) only: nothing is kept for a backward."""
         exe = self._forward_exe or self._executable(
             "_forward_exe",
-            lambda: self._compile(self._forward_body, [s.aval for s in self.specs]))
+            lambda: self._compile(self._forward_body, self._avals(self.specs)))
         return exe(leaves, *fence)
 
-    def forward_with_residuals(self, leaves: Sequence, *fence) -> tuple[list, list]:
-        """Outputs (then aux) and the residuals the backward needs beyond inputs and outputs."""
+    def forward_with_residuals(self, leaves: Sequence, *fence) -> list[jax.Array]:
+        """Outputs, aux, then the residuals the backward needs beyond inputs and outputs.
+
+        One flat list: the first ``len(out_specs)`` are the results, the rest the residual
+        buffers (``residual_map().residual_specs``).
+        """
         exe = self._fwd_res_exe
         if exe is None:
             self.residual_map()
-            exe = self._executable("_fwd_res_exe", lambda: self._fwd_res_lowered.compile())
+            exe = self._executable("_fwd_res_exe", self._compile_forward_with_residuals)
         return exe(leaves, *fence)
+
+    def _compile_forward_with_residuals(self):
+        with compiling_for(self.device):
+            return self._fwd_res_lowered.compile()
 
     def backward(self, saved_inputs, saved_outputs, residuals, cotangents,
                  *fence) -> list[jax.Array]:
@@ -353,7 +379,7 @@ class Program:
         Args:
             saved_inputs: the input leaves at ``residual_map().saved_inputs``, passed again.
             saved_outputs: the results at ``residual_map().saved_outputs``.
-            residuals: what ``forward_with_residuals`` returned as residuals.
+            residuals: the residual buffers ``forward_with_residuals`` returned.
             cotangents: one per differentiable output (``diff_out_index``).
             *fence: the ordering array, with ``fence=True``.
         """
@@ -374,8 +400,8 @@ class Program:
         """
         exe = self._backward_re_exe or self._executable(
             "_backward_re_exe", lambda: self._compile(
-                self._backward_recompute_body, [s.aval for s in self.specs],
-                [self.out_specs[k].aval for k in self.diff_out_index]))
+                self._backward_recompute_body, self._avals(self.specs),
+                self._avals(self.out_specs[k] for k in self.diff_out_index)))
         return exe(leaves, cotangents, *fence)
 
     def compile_for_report(self) -> dict[str, tuple[jax.stages.Compiled, float]]:
@@ -389,7 +415,7 @@ class Program:
         """
         start = time.perf_counter()
         rmap = self.residual_map()
-        fwd = self._executable("_fwd_res_exe", lambda: self._fwd_res_lowered.compile())
+        fwd = self._executable("_fwd_res_exe", self._compile_forward_with_residuals)
         mid = time.perf_counter()
         bwd = self._executable("_backward_exe", lambda: self._compile(
             self._backward_body, *self._backward_avals(rmap)))

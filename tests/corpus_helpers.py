@@ -15,6 +15,7 @@ bridge and once as pure JAX on the same variables and inputs, and compares:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -28,6 +29,21 @@ from torchside import FlaxModule, jax_function
 jtu = jax.tree_util
 
 RESULTS = ("works", "forward only", "error", "bridge bug")
+
+# Where the reference runs: None leaves it to JAX's default device; ``reference_on`` pins it
+# (tests/devices_cases.py, where JAX's default device is not the tensors').
+_REFERENCE_DEVICE = None
+
+
+@contextlib.contextmanager
+def reference_on(device):
+    """Computes every reference inside on ``device`` (and checks that it did)."""
+    global _REFERENCE_DEVICE
+    previous, _REFERENCE_DEVICE = _REFERENCE_DEVICE, device
+    try:
+        yield
+    finally:
+        _REFERENCE_DEVICE = previous
 
 
 # -- coverage tags ---------------------------------------------------------------------
@@ -66,7 +82,10 @@ def covers(transform: str, *options: str, result: str = "works", note: str = "")
 # -- conversions -----------------------------------------------------------------------
 def to_jax(t):
     """A JAX copy of a tensor (the reference never shares memory with the bridge)."""
-    return jnp.asarray(np.array(t.detach().cpu().numpy()))
+    values = np.array(t.detach().cpu().numpy())
+    if _REFERENCE_DEVICE is not None:
+        return jax.device_put(values, _REFERENCE_DEVICE)
+    return jnp.asarray(values)
 
 
 def _dotted(path) -> str:
@@ -153,7 +172,13 @@ def _reference(pure, consts, primals, outs, cts):
                 full.append(np.zeros(shape, jax.dtypes.float0))
         return out, aux, list(vjp(jtu.tree_unflatten(treedef, full)))
 
+    if _REFERENCE_DEVICE is not None:
+        c_leaves, p_leaves, given = jax.device_put((c_leaves, p_leaves, given),
+                                                   _REFERENCE_DEVICE)
     out, aux, grads = run(c_leaves, p_leaves, given)
+    if _REFERENCE_DEVICE is not None:
+        placed = {d for x in jtu.tree_leaves((out, aux, grads)) for d in x.devices()}
+        assert placed <= {_REFERENCE_DEVICE}, f"the reference ran on {placed}"
     return out, aux, jtu.tree_unflatten(p_def, grads)
 
 

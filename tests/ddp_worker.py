@@ -2,6 +2,9 @@
 
 Run by tests/test_ddp.py as ``python tests/ddp_worker.py RANK WORLD PORT OUT``; with WORLD
 1 it trains on the full batch without torch.distributed (the reference).
+``FLAXTORCH_TEST_DDP_BACKEND=nccl`` trains rank ``r`` on ``cuda:r`` as ``torchrun`` would
+(JAX's default device stays GPU 0 in every rank); ``FLAXTORCH_TEST_JAX_DEFAULT`` moves JAX's
+default device elsewhere (``tests/devices_env.py``).
 """
 
 import datetime
@@ -16,6 +19,7 @@ import flax.linen as nn  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.devices_env import apply_default_device  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 16
@@ -40,22 +44,28 @@ def build():
 def main(rank: int, world: int, port: int, out: str) -> None:
     # A stalled rank prints where every thread is and exits, instead of hanging the test.
     faulthandler.dump_traceback_later(240, exit=True)
-    model = build()
+    apply_default_device()
+    backend = os.environ.get("FLAXTORCH_TEST_DDP_BACKEND", "gloo")
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build().to(device)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if device.type == "cuda" else None)
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(STEPS):
         x = torch.randn(BATCH, 5, generator=gen)
         y = torch.randn(BATCH, 2, generator=gen)
         shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+        loss = torch.nn.functional.mse_loss(model(x[shard].to(device)), y[shard].to(device))
         opt.zero_grad()
         loss.backward()
         opt.step()
-    state = (model.module if world > 1 else model).state_dict()
+    state = {k: v.cpu() for k, v in (model.module if world > 1 else model).state_dict().items()}
     if rank == 0:
         torch.save(state, out)
     if world > 1:

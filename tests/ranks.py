@@ -20,20 +20,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _env(extra: dict | None = None) -> dict:
+    return {**os.environ, **(extra or {}),
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def run_reference(worker: Path, out) -> subprocess.CompletedProcess:
-    """``python worker 0 1 0 out``: the single-process run on the full batch."""
-    return subprocess.run([sys.executable, str(worker), "0", "1", "0", str(out)], env=_env(),
-                          timeout=300, capture_output=True, text=True)
+def run_reference(worker: Path, out, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python worker 0 1 0 out``: the single-process run on the full batch.
+
+    ``env`` adds environment variables (e.g. ``tests/devices_env.py``'s).
+    """
+    return subprocess.run([sys.executable, str(worker), "0", "1", "0", str(out)],
+                          env=_env(env), timeout=300, capture_output=True, text=True)
 
 
-def run_two_ranks(worker: Path, out, logs: list[Path]) -> list[int]:
+def run_two_ranks(worker: Path, out, logs: list[Path], env: dict | None = None) -> list[int]:
     """``python worker RANK 2 PORT out`` for ranks 0 and 1; their exit codes.
 
     Each rank's output goes to its log; a rank still running after 300 s is killed.
+    ``env`` adds environment variables to both ranks.
     """
     port = _free_port()
     procs = []
@@ -41,7 +46,7 @@ def run_two_ranks(worker: Path, out, logs: list[Path]) -> list[int]:
         with open(log, "w") as sink:
             procs.append(subprocess.Popen(
                 [sys.executable, str(worker), str(rank), "2", str(port), str(out)],
-                env=_env(), stdout=sink, stderr=subprocess.STDOUT))
+                env=_env(env), stdout=sink, stderr=subprocess.STDOUT))
     try:
         for p in procs:
             p.wait(timeout=300)

@@ -1,26 +1,46 @@
-"""DistributedDataParallel (gloo, CPU, loopback) over a model that holds a FlaxModule."""
+"""DistributedDataParallel over a model that holds a FlaxModule: 2 ranks against 1 process.
+
+On CPU (gloo, loopback), also with each rank's JAX default device elsewhere than its
+tensors (two host devices, the default set to the second): the ``torchrun`` case, where
+rank ``r`` works on ``cuda:r`` and JAX's default device is GPU 0 in every rank. With two
+GPUs the same run goes over NCCL on ``cuda:0`` and ``cuda:1``.
+"""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.ddp_worker import build
 from tests.ranks import run_reference, run_two_ranks
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+ELSEWHERE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+             "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:1"}
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
-def test_two_process_ddp_equals_single_process_full_batch(tmp_path):
+@pytest.mark.parametrize("env", [
+    pytest.param({}, id="gloo"),
+    pytest.param(ELSEWHERE, id="gloo-jax-default-elsewhere"),
+    pytest.param({"FLAXTORCH_TEST_DDP_BACKEND": "nccl"}, id="nccl",
+                 marks=[pytest.mark.gpu, TWO_GPUS]),
+])
+def test_two_process_ddp_equals_single_process_full_batch(env, tmp_path):
     out_ddp, out_ref = tmp_path / "ddp.pt", tmp_path / "ref.pt"
-    ref = run_reference(WORKER, out_ref)
+    # The reference: one process, JAX's default device left alone (on the GPU run, cuda:0).
+    ref = run_reference(WORKER, out_ref, {k: v for k, v in env.items()
+                                          if k == "FLAXTORCH_TEST_DDP_BACKEND"})
     assert ref.returncode == 0, ref.stderr[-3000:]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    for code, log in zip(run_two_ranks(WORKER, out_ddp, logs), logs, strict=True):
+    for code, log in zip(run_two_ranks(WORKER, out_ddp, logs, env), logs, strict=True):
         assert code == 0, log.read_text()[-3000:]
     ddp = torch.load(out_ddp, weights_only=True)
     ref = torch.load(out_ref, weights_only=True)
     assert set(ddp) == set(ref) and any("stack" in k for k in ddp)
     initial = build().state_dict()
     for name in ref:
+        # Both sides run the same programs on one backend; the all-reduce sums in another
+        # order than the full batch does, so allow float32 rounding.
         torch.testing.assert_close(ddp[name], ref[name], msg=name)
         assert not torch.equal(ref[name], initial[name]), f"{name} did not train"

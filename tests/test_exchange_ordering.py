@@ -137,7 +137,125 @@ def test_replaced_parameter_memory_is_read_afresh(route):
     _close(y, _reference(m, x, torch.zeros(8, width))[0], "output after p.data = ...")
 
 
-def test_the_dlpack_route_holds_parameters_and_takes_one_fence_per_call():
+# -- the recorded ordering steps of the DLPack route (the CUDA code path) ------------------
+DLPACK_ROUTES = [
+    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
+    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=DLPACK_ROUTES)
+def dlpack_route(request):
+    device, mode = request.param
+    previous = bridge.set_exchange_mode(mode)
+    try:
+        yield device
+    finally:
+        bridge.set_exchange_mode(previous)
+
+
+def _steps(log) -> list[str]:
+    """The log as kinds: ``torch->jax``, ``run:<program>``, ``jax->torch``, test markers."""
+    out = []
+    for e in log:
+        if isinstance(e, bridge.OrderingEvent):
+            out.append(f"run:{e.detail}" if e.kind == "run" else e.kind)
+        else:
+            out.append(e)
+    return out
+
+
+def _handed_back(event, tensor) -> bool:
+    """Whether ``tensor``'s memory is among what a ``jax->torch`` step handed to torch."""
+    return any(start <= tensor.data_ptr() < start + size for start, size in event.detail)
+
+
+def _stream(device: str):
+    return torch.cuda.current_stream().cuda_stream if device == "cuda" else None
+
+
+FENCED = ["torch->jax", "run", "jax->torch"]
+
+
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torch_reads(
+        dlpack_route, residuals):
+    device = dlpack_route
+    width = _width(device)
+    m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),),
+                   residuals=residuals).to(device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, width, device=device, requires_grad=True)
+    ct = torch.randn(8, width, device=device)
+    m(x).backward(ct)  # compiled outside the log: the log shows the steady state
+    opt.zero_grad()
+    x.grad = None  # torch then takes the handed-back gradient itself, as for parameters
+    forward = "forward" if residuals == "recompute" else "forward_with_residuals"
+    backward = "backward_recompute" if residuals == "recompute" else "backward"
+    with bridge.record_ordering() as log:
+        y = m(x)
+        log.append("test: backward")
+        y.backward(ct)
+        log.append("test: optimizer step")
+        opt.step()  # in place, on torch's stream, into memory JAX holds arrays over
+        with torch.no_grad():
+            y2 = m(x)
+        log.append("test: write to the output")
+        y2.fill_(7.0)
+    assert _steps(log) == [
+        "torch->jax", f"run:{forward}", "jax->torch", "test: backward",
+        "torch->jax", f"run:{backward}", "jax->torch", "test: optimizer step",
+        "torch->jax", "run:forward", "jax->torch", "test: write to the output",
+    ]
+    events = [e for e in log if isinstance(e, bridge.OrderingEvent)]
+    assert all(e.device == torch.device(device) if device == "cpu" else e.device.type == device
+               for e in events)
+    assert all(e.stream == _stream(device) for e in events)
+    # What torch reads or writes next was handed to its stream first: the outputs, the
+    # input gradient and every parameter gradient (views into packed buffers included).
+    assert _handed_back(events[2], y) and _handed_back(events[8], y2)
+    for t in [x.grad, *(p.grad for p in m.parameters())]:
+        assert _handed_back(events[5], t)
+    with torch.no_grad():
+        want = _reference(m, x, ct)[0]
+    _close(m(x), want, "output after the optimizer step")  # it read the step's values
+
+
+def test_the_order_follows_torchs_current_stream(dlpack_route):
+    """Each step names the stream that is current at the call: a side stream on CUDA."""
+    device = dlpack_route
+    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
+    x = torch.randn(2, 8, device=device)
+    side = torch.cuda.Stream() if device == "cuda" else None
+    with bridge.record_ordering() as log, torch.no_grad():
+        if side is None:
+            y = m(x)
+        else:
+            with torch.cuda.stream(side):
+                y = m(x)
+    assert _steps(log) == ["torch->jax", "run:forward", "jax->torch"]
+    want = None if side is None else side.cuda_stream
+    assert [e.stream for e in log] == [want] * 3
+    assert _handed_back(log[2], y)
+
+
+def test_compiled_graph_runs_are_fenced_like_eager_ones(dlpack_route):
+    device = dlpack_route
+    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
+    compiled = torch.compile(m, fullgraph=True)
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    ct = torch.randn(2, 8, device=device)
+    compiled(x).backward(ct)  # tracing and compiling, outside the log
+    with bridge.record_ordering() as log:
+        y = compiled(x)
+        log.append("test: backward")
+        y.backward(ct)
+    assert _steps(log) == ["torch->jax", "run:forward_with_residuals", "jax->torch",
+                           "test: backward",
+                           "torch->jax", "run:backward", "jax->torch"]
+
+
+def test_the_dlpack_route_holds_parameters_zero_copy():
     previous = bridge.set_exchange_mode("dlpack")
     try:
         m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),))

@@ -10,6 +10,11 @@ import pytest
 from flaxside.internal import PACK_BYTES, LeafSpec, Program, ResidualMap, unpack
 
 
+def _split(program, flat):
+    """``forward_with_residuals``'s flat list as (results, residual buffers)."""
+    n = len(program.out_specs)
+    return flat[:n], flat[n:]
+
 def _pure(f):
     """A function of the leaves in Program's contract: (outputs, aux, static)."""
     return lambda leaves: (f(leaves), [], None)
@@ -35,7 +40,7 @@ def _specs(diff=(True, True, True)):
 def test_forward_backward_match_jax_vjp():
     leaves = _data()
     p = Program(_mlp, _specs())
-    outs, res = p.forward_with_residuals(leaves)
+    outs, res = _split(p, p.forward_with_residuals(leaves))
     ref_out, ref_vjp = jax.vjp(lambda *ls: _mlp_out(list(ls))["y"], *leaves)
     np.testing.assert_allclose(outs[1], ref_out, rtol=1e-6)  # flatten order: n, y
     assert outs[0].dtype == jnp.int32 and p.diff_out_index == (1,)
@@ -50,7 +55,7 @@ def test_forward_backward_match_jax_vjp():
 def test_residuals_exclude_inputs_and_outputs():
     leaves = _data()
     p = Program(_mlp, _specs())
-    _, res = p.forward_with_residuals(leaves)
+    _, res = _split(p, p.forward_with_residuals(leaves))
     # tanh's VJP needs its outputs; the inputs w1, w2, x come back from the caller.
     saved = p.residual_map().saved_inputs
     assert set(saved) <= {0, 1, 2} and len(saved) >= 2
@@ -62,7 +67,7 @@ def test_residuals_exclude_inputs_and_outputs():
 def test_only_diff_leaves_get_gradients():
     leaves = _data()
     p = Program(_mlp, _specs((True, False, False)))
-    outs, res = p.forward_with_residuals(leaves)
+    outs, res = _split(p, p.forward_with_residuals(leaves))
     rmap = p.residual_map()
     grads = unpack(p.backward([leaves[j] for j in rmap.saved_inputs],
                               [outs[k] for k in rmap.saved_outputs], res,
@@ -75,7 +80,7 @@ def test_each_program_traces_once():
     p = Program(_mlp, _specs())
     for seed in range(3):
         leaves = _data(seed)
-        outs, res = p.forward_with_residuals(leaves)
+        outs, res = _split(p, p.forward_with_residuals(leaves))
         rmap = p.residual_map()
         p.backward([leaves[j] for j in rmap.saved_inputs],
                    [outs[k] for k in rmap.saved_outputs], res, [np.ones((5, 4), np.float32)])
@@ -91,7 +96,7 @@ def test_results_never_alias_inputs_or_each_other():
     outs = p.forward([x, x])
     ptrs = [o.unsafe_buffer_pointer() for o in outs]
     assert len(set(ptrs)) == 3 and x.ctypes.data not in ptrs
-    outs, res = p.forward_with_residuals([x, x])
+    outs, res = _split(p, p.forward_with_residuals([x, x]))
     ct = [np.ones(n, np.float32)] * 3
     grads = p.backward([], [], res, ct)
     assert p.grad_pack == (("alone", 0), ("alone", 1))
@@ -114,7 +119,7 @@ def test_residual_map_is_one_frozen_value_fixed_by_the_first_lowering():
     with pytest.raises(dataclasses.FrozenInstanceError):
         rmap.saved_inputs = ()
     leaves = _data()
-    outs, res = p.forward_with_residuals(leaves)
+    outs, res = _split(p, p.forward_with_residuals(leaves))
     assert p.residual_map() is rmap and p.trace_count == 1  # the call reused that lowering
     assert [r.shape for r in res] == [s.shape for s in rmap.residual_specs]
     assert len(rmap.sources) == len(jax.tree_util.tree_leaves(rmap.vjp_treedef.unflatten(
@@ -129,7 +134,7 @@ def test_complex_gradients_follow_torch_convention():
     ct = (r.standard_normal(5) + 1j * r.standard_normal(5)).astype(np.complex64)
     f = lambda a, b: a * jnp.conj(b) + a * a  # noqa: E731 - neither holomorphic in b nor trivial
     p = Program(_pure(lambda ls: f(ls[0], ls[1])), [LeafSpec((5,), np.complex64, True)] * 2)
-    outs, res = p.forward_with_residuals([z, w])
+    outs, res = _split(p, p.forward_with_residuals([z, w]))
     rmap = p.residual_map()
     grads = unpack(p.backward([[z, w][j] for j in rmap.saved_inputs],
                               [outs[k] for k in rmap.saved_outputs], res, [ct]), p.grad_pack)
@@ -166,7 +171,7 @@ def test_small_residuals_cross_packed_one_buffer_per_dtype():
     r = np.random.default_rng(0)
     leaves = [r.standard_normal((4, 8)).astype(np.float32) for _ in range(12)]
     p = Program(_pure(chain), [LeafSpec(a.shape, a.dtype, True) for a in leaves])
-    outs, res = p.forward_with_residuals(leaves)
+    outs, res = _split(p, p.forward_with_residuals(leaves))
     assert len(res) == 1 and res[0].ndim == 1  # 11+ residuals, one float32 buffer
     ct = r.standard_normal((4, 8)).astype(np.float32)
     grads = unpack(p.backward([leaves[j] for j in p.residual_map().saved_inputs],

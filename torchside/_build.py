@@ -65,6 +65,14 @@ def check_tensors(tensors, names, device: torch.device, where: str,
     return tuple(out)
 
 
+def jax_device_for(device: torch.device, name: str, where: str):
+    """The JAX device a call on ``device`` runs on; the error names the owner and argument."""
+    try:
+        return bridge.jax_device(device, name=name)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def check_output_dtypes(program: Program, where: str) -> None:
     """Refuses, at build time and by output path, a result dtype torch has no match for."""
     tree = jtu.tree_unflatten(program.out_treedef, range(program.n_out))
@@ -134,13 +142,13 @@ def build_call(caller, sig: Signature, values, key: int) -> CompiledCall:
             names[:n_vars] + names[n_state:], device, where, has_parameters=n_vars > 0)
         np_dtypes = (checked[:n_vars] + (np.dtype("int32"),) * (n_state - n_vars)
                      + checked[n_vars:])
-        bridge.jax_device(device, name=names[0] if names else "input")  # JAX has it?
+        jax_device = jax_device_for(device, names[0] if names else "input", where)
         specs = [LeafSpec(tuple(shape), dt, bool(g) and is_differentiable(dt))
                  for (shape, _, _), dt, g in zip(metas, np_dtypes, grads, strict=True)]
         slots = tuple(ARRAY if s is ARRAY else v
                       for s, v in zip(sig.statics, values, strict=True))
         fn = flat_apply(owner.make_apply(sig.mode), owner.state_treedef, sig.args, slots)
-        program = Program(fn, specs, name=where, fence=sig.exchange.dlpack)
+        program = Program(fn, specs, name=where, fence=sig.exchange.dlpack, device=jax_device)
         check_output_dtypes(program, where)
         _check_updates(program, specs, names, where)
     except Exception as e:

@@ -83,21 +83,18 @@ class CompiledCall:
 
     def run(self, head: list, leaves) -> list[torch.Tensor]:
         """Forward without autograd: nothing is computed or held for a backward."""
-        exchange = self.exchange
-        return exchange.results(self.program.forward(self.arrays(head, leaves),
-                                                     *exchange.fence()))
+        return self.exchange.run(self.program.forward, self.arrays(head, leaves))[1]
 
     def forward(self, head: list, leaves) -> tuple[list, list, list]:
         """Forward for autograd: ``(results, residual tensors, JAX arrays kept for reuse)``."""
         exchange = self.exchange
         arrays = self.arrays(head, leaves)
         if self.recompute:
-            return exchange.results(self.program.forward(arrays, *exchange.fence())), [], []
-        results, residuals = self.program.forward_with_residuals(arrays, *exchange.fence())
-        rmap = self.program.residual_map()
-        kept = [results[k] for k in rmap.saved_outputs] + list(residuals)
-        tensors = exchange.results(list(results) + list(residuals))
-        return tensors[: self.n_results], tensors[self.n_results :], kept
+            return exchange.run(self.program.forward, arrays)[1], [], []
+        out, tensors = exchange.run(self.program.forward_with_residuals, arrays)
+        n = self.n_results
+        kept = [out[k] for k in self.program.residual_map().saved_outputs] + list(out[n:])
+        return tensors[:n], tensors[n:], kept
 
     # -- backward ------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
@@ -173,14 +170,11 @@ class CompiledCall:
                 for k, g in zip(program.diff_out_index, cots, strict=True)]
         arrays = self.saved_arrays(saved, kept)
         if self.recompute:
-            result = program.backward_recompute(arrays, cots, *exchange.fence())
-        else:
-            rmap = program.residual_map()
-            a = len(rmap.saved_inputs)
-            b = a + len(rmap.saved_outputs)
-            result = program.backward(arrays[:a], arrays[a:b], arrays[b:], cots,
-                                      *exchange.fence())
-        return exchange.results(result)
+            return exchange.run(program.backward_recompute, arrays, cots)[1]
+        rmap = program.residual_map()
+        a = len(rmap.saved_inputs)
+        b = a + len(rmap.saved_outputs)
+        return exchange.run(program.backward, arrays[:a], arrays[a:b], arrays[b:], cots)[1]
 
 
 def save_for_backward(ctx, call: CompiledCall, leaves, results, residuals, kept=None) -> None:

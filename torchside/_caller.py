@@ -39,6 +39,7 @@ from torchside._recompile import RecompileMonitor
 jtu = jax.tree_util
 
 RESIDUAL_MODES = ("save", "recompute")
+_CPU = torch.device("cpu")
 
 # Callers by compile id, for torch.compile's custom ops, which can carry only ints. Weak:
 # nothing here outlives its owner.
@@ -271,21 +272,34 @@ class Caller:
                 self._cache.popitem(last=False)
         return call
 
+    def _explain_state_error(self, variables, tensors, treedef, statics, device) -> None:
+        """Raises the error that names the argument, for a failure before the signature."""
+        from torchside._build import arg_names, check_tensors, jax_device_for
+
+        names = self.owner.var_names
+        check_tensors(variables, names, device, self.where)  # one on another device, a dtype
+        if variables:
+            lead = names[0]
+        else:
+            lead = next(n for n, s in zip(arg_names(treedef), statics, strict=True)
+                        if s is ARRAY)
+        jax_device_for(device, lead, self.where)  # a device JAX shares no memory with
+
     def __call__(self, variables: list, args: tuple, kwargs: dict, mode: Hashable = None):
         """Runs one call. Returns ``(outputs pytree, updates, compiled call)``."""
         if torch._C._are_functorch_transforms_active():
             raise under_torch_func(self.where)
         tensors, treedef, statics, values = split_args(args, kwargs, self.where)
         grad = torch.is_grad_enabled()
+        # The call runs where its tensors are (NOTE [Devices] in bridge/_devices.py): the
+        # variables' device, or the first argument's; the signature holds every tensor's.
         lead = variables[0] if variables else (tensors[0] if tensors else None)
-        device = lead.device if lead is not None else torch.device("cpu")
-        exchange = bridge.exchange_for(device)
+        device = lead.device if lead is not None else _CPU
         try:
+            exchange = bridge.exchange_for(device)
             head, changed = self.held.arrays(variables, exchange)
         except Exception:
-            from torchside._build import check_tensors
-
-            check_tensors(variables, self.owner.var_names, device, self.where)
+            self._explain_state_error(variables, tensors, treedef, statics, device)
             raise
         if changed:
             self._var_keys = {}

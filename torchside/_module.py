@@ -97,17 +97,22 @@ class FlaxModule(torch.nn.Module):
         rngs = (rngs,) if isinstance(rngs, str) else tuple(rngs)
         if not isinstance(example_args, tuple | list):
             example_args = (example_args,)
+        # Variables are made where torch makes a new layer's (torch's default device, the
+        # CPU unless set otherwise), whatever JAX's default device is (NOTE [Devices]).
+        device = bridge.default_torch_device()
         if variables is None and hasattr(module, "init") and not _is_nnx(module):
             variables = _init_linen(module, seed, rngs, tuple(example_args),
-                                    dict(example_kwargs or {}), where)
-        self.flax_module = module
+                                    dict(example_kwargs or {}), where, device)
         adapter = adapter_for(module, variables, where=where, rng_streams=rngs,
                               train_kwarg=train_kwarg)
         self._adapter = adapter
         self._refs, self._scopes = attach_variables(self, adapter.names, adapter.is_param,
-                                                    adapter.take_initial_values())
+                                                    adapter.take_initial_values(), device)
         self._is_param = adapter.is_param
         self._nnx = adapter.kind == "nnx"
+        # An NNX module holds its own arrays (a second copy of every parameter, on JAX's
+        # default device): torch's copy is the state, so the module itself is not kept.
+        self._linen = None if self._nnx else module
         self._graph = 0  # NNX: the id of the module graph the next call uses
         n = len(self._refs)
         state_treedef = jtu.tree_structure(
@@ -116,6 +121,22 @@ class FlaxModule(torch.nn.Module):
                       (len(rngs), *key_data_shape()) if rngs else None)
         self._caller = Caller(owner, residuals=residuals, cache_size=cache_size,
                               recompile_warning=recompile_warning)
+
+    @property
+    def flax_module(self):
+        """The Flax module: the Linen module given, or an NNX module over torch's state.
+
+        For NNX it is merged from the current parameters and buffers (zero-copy views), in
+        the graph and train/eval mode a call would use; the module given to the constructor
+        is not kept (its arrays would be a second copy of every parameter).
+        """
+        if not self._nnx:
+            return self._linen
+        from flax import nnx
+
+        model = nnx.merge(self._adapter.graph(self._graph), *self.flax_variables())
+        model.train() if self.training else model.eval()
+        return model
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
@@ -162,11 +183,19 @@ class FlaxModule(torch.nn.Module):
                 return t
             return jax.ShapeDtypeStruct(tuple(t.shape), bridge.numpy_dtype(t.dtype))
 
+        tensors = current_tensors(self._refs)
+        given = [t for t in jtu.tree_leaves((example_args, example_kwargs))
+                 if isinstance(t, torch.Tensor)]
+        lead = (tensors or given or [None])[0]
+        # Compiled for the device a call would run on (memory differs between backends).
+        device = bridge.jax_device(lead.device if lead is not None else torch.device("cpu"),
+                                   name="memory_report")
         args, kwargs = jtu.tree_map(shape, (example_args, example_kwargs))
         if self._nnx:  # the module carries its state; only shapes matter
-            return flaxside.memory_report(self.flax_module, *args, **kwargs)
-        variables = self._adapter.variables(map(shape, current_tensors(self._refs)))
-        return flaxside.memory_report(self.flax_module, *args, variables=variables, **kwargs)
+            return flaxside.memory_report(self.flax_module, *args, device=device, **kwargs)
+        variables = self._adapter.variables(map(shape, tensors))
+        return flaxside.memory_report(self.flax_module, *args, variables=variables,
+                                      device=device, **kwargs)
 
     # -- the call -----------------------------------------------------------------------
     def _mode(self):
@@ -207,7 +236,8 @@ class FlaxModule(torch.nn.Module):
         if self.autocast == "off":
             return None
         device_type = variables[0].device.type if variables else "cpu"
-        if not torch.is_autocast_enabled(device_type):
+        # Only cpu and cuda can run a call (others are refused with the device error).
+        if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
             return None
         return torch.get_autocast_dtype(device_type)
 
@@ -263,11 +293,16 @@ class FlaxModule(torch.nn.Module):
                 )
         with torch.no_grad():
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                t.copy_(bridge.to_torch(jax.numpy.asarray(leaf), name=name))
+                leaf = jax.device_put(leaf, bridge.jax_device(t.device, name=name))
+                t.copy_(bridge.to_torch(leaf, name=name))
 
 
-def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where: str):
-    """Linen ``module.init`` on the example arguments, with errors that say what to pass."""
+def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where: str,
+                device: torch.device):
+    """Linen ``module.init`` on the example arguments, run on the JAX device of ``device``.
+
+    Errors say what to pass.
+    """
     def convert(tree, label):
         paths, treedef = jtu.tree_flatten_with_path(tree)
         return jtu.tree_unflatten(treedef, [
@@ -278,7 +313,8 @@ def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where
     init_rngs.update({name: jax.random.key(seed + 1 + i) for i, name in enumerate(rngs)})
     args, kwargs = convert(args, "example_args"), convert(kwargs, "example_kwargs")
     try:
-        return init_linen(module, init_rngs, args, kwargs)
+        return init_linen(module, init_rngs, args, kwargs,
+                          device=bridge.jax_device(device, name="example_args"))
     except TypeError as e:
         if args or kwargs or "argument" not in str(e):
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import torch
 
 import bridge
@@ -19,7 +20,7 @@ class FlaxScope(torch.nn.Module):
         raise RuntimeError("FlaxScope only holds variables; call the FlaxModule that owns it.")
 
 
-def attach_variables(root: torch.nn.Module, names, is_param, values):
+def attach_variables(root: torch.nn.Module, names, is_param, values, device: torch.device):
     """Registers variable leaves on ``root`` under their Flax paths.
 
     Parameters become ``nn.Parameter``s, the rest persistent buffers; both own a copy of
@@ -31,12 +32,14 @@ def attach_variables(root: torch.nn.Module, names, is_param, values):
         root: the module to attach to.
         names: the dotted Flax path of each leaf (no part contains a dot).
         is_param: per leaf, whether it is a parameter.
-        values: per leaf, its JAX array.
+        values: per leaf, its JAX array (on any device).
+        device: the torch device the tensors are made on.
 
     Returns:
         ``(refs, scopes)``: per leaf ``(scope, name, is_param)``, and every scope made.
     """
     refs, scopes = [], []
+    target = bridge.jax_device(device, name="variables")
     for dotted, param, value in zip(names, is_param, values, strict=True):
         keys = dotted.split(".")
         scope = root
@@ -47,7 +50,7 @@ def attach_variables(root: torch.nn.Module, names, is_param, values):
                 scope._modules[k] = child
                 scopes.append(child)
             scope = child
-        tensor = bridge.to_torch(value, copy=True, name=dotted)
+        tensor = bridge.to_torch(jax.device_put(value, target), copy=True, name=dotted)
         if param:
             scope._parameters[keys[-1]] = torch.nn.Parameter(
                 tensor, requires_grad=bool(tensor.is_floating_point() or tensor.is_complex())
