@@ -1,17 +1,28 @@
-"""GPU check: runs flaxtorch's CUDA tests and a memory comparison, prints a pass/fail table.
+"""GPU check: every device, ordering, DDP and allocator check flaxtorch has, as one table.
 
-What this shows: on a machine with a CUDA GPU (and a CUDA build of jaxlib), that the
-bridge follows the device, orders DLPack exchanges on torch's and JAX's streams, does not
-let JAX preallocate the GPU, and how many bytes a deep remat-scan block holds for backward
-on the GPU next to the same depth without remat, and what a call costs per parameter
-tensor on the GPU (the benchmark's leaf-count sweep: bridge, pure JAX and torch eager,
-1 to 4,096 leaves at a fixed total size). The ``gpu``-marked tests include the stream
-ordering rules of ``tests/test_exchange_ordering.py``. Without a GPU it says so and exits 0.
+What this shows, on a machine with a CUDA GPU and a CUDA build of jaxlib:
+
+* the ``gpu``-marked tests: the module follows its device and matches the CPU, DLPack
+  exchanges are ordered on torch's and JAX's streams (``tests/test_exchange_ordering.py``
+  records one fence per program run and checks the streams it names), round trips are
+  zero-copy, JAX does not preallocate beside torch, and, with two or more GPUs, 2-rank DDP
+  over NCCL on ``cuda:0`` / ``cuda:1`` equals one process (``tests/test_ddp.py``);
+* ``tests/devices_cases.py`` (FlaxModule Linen and NNX, jax_function, remat_stack,
+  recompute, torch.compile, memory_report, each against pure JAX on the right device) with
+  CUDA tensors while JAX's default device is the CPU, with CPU tensors while it is the GPU,
+  and with two GPUs, with tensors on ``cuda:1`` while it is GPU 0 (the ``torchrun`` case);
+* two allocators on one GPU: torch's and JAX's peak pool bytes over a training step of a
+  deep remat-scan block (torch layers around it), and the bytes that block holds for
+  backward next to the same depth without remat;
+* the benchmark's leaf-count sweep on the GPU: what a call costs per parameter tensor.
+
+Without a GPU it says so and exits 0.
 
 How to run:
     python examples/gpu_check.py
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -35,48 +46,115 @@ def gpu_available() -> bool:
         return False
 
 
-def _collector(store: list):
-    def pack(t):
-        store.append(t)
-        return t
-
-    return pack
+def _env(extra: dict) -> dict:
+    return {**os.environ, **extra,
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def memory_comparison() -> list[tuple[str, str]]:
-    import flax.linen as nn
-
-    import bridge  # noqa: F401 - keeps JAX from preallocating
-    from torchside import FlaxModule
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(x)))
-
-    class Remat(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.remat_scan(nn.remat(Block), lengths=(16, 16))(name="s")(x)
-
-    class Plain(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            scan = nn.scan(lambda m, c, _: (m(c), None), variable_axes={"params": 0},
-                           split_rngs={"params": True}, length=256)
-            return scan(Block(name="s"), x, None)[0]
-
+def pytest_rows(args: list[str], label: str = "", env: dict | None = None) -> tuple[list, int]:
+    """Runs pytest in a subprocess; a ``(test, status)`` row per test, and the exit code."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args],
+        cwd=ROOT, env=_env(env or {}), capture_output=True, text=True)
     rows = []
-    x = torch.randn(256, 256, device="cuda", requires_grad=True)
-    for name, module in (("remat_scan (16,16)", Remat()), ("scan, no remat", Plain())):
-        m = FlaxModule(module, example_args=(x.detach().cpu(),)).cuda()
-        packed = []
-        with torch.autograd.graph.saved_tensors_hooks(_collector(packed), lambda t: t):
-            y = m(x)
-        skip = {p.data_ptr() for p in m.parameters()} | {x.data_ptr()}
-        held = sum(t.numel() * t.element_size() for t in packed if t.data_ptr() not in skip)
-        y.sum().backward()
-        rows.append((f"held bytes, depth 256, {name}", f"{held:,}"))
+    for line in result.stdout.splitlines():
+        for status in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"):
+            if line.startswith(status + " "):
+                name = line[len(status) + 1:].split(" - ")[0]
+                rows.append((f"{name}{f' [{label}]' if label else ''}", status))
+    if result.returncode not in (0, 5) and not rows:  # 5: nothing collected
+        rows.append((f"pytest {' '.join(args)} {label}", f"exit {result.returncode}"))
+        print(result.stdout[-3000:], result.stderr[-3000:], sep="\n")
+    return rows, result.returncode
+
+
+_STEP = r"""
+import json, sys
+import flax.linen as nn
+import jax
+import torch
+import bridge  # before JAX starts its GPU backend: no preallocation
+from torchside import FlaxModule
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(x)))
+
+class Deep(nn.Module):
+    remat: bool
+    @nn.compact
+    def __call__(self, x):
+        if self.remat:
+            return nn.remat_scan(nn.remat(Block), lengths=(16, 16))(name="s")(x)
+        scan = nn.scan(lambda m, c, _: (m(c), None), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=256)
+        return scan(Block(name="s"), x, None)[0]
+
+remat = sys.argv[1] == "remat"
+width, batch = 256, 256
+model = torch.nn.Sequential(torch.nn.Linear(width, width),
+                            FlaxModule(Deep(remat), example_args=(torch.zeros(batch, width),)),
+                            torch.nn.Linear(width, 1)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+x, y = torch.randn(batch, width, device="cuda"), torch.randn(batch, 1, device="cuda")
+
+def step():
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+step()  # compiles; the measured step follows
+torch.cuda.synchronize()
+gpu = bridge.jax_device(torch.device("cuda", 0))
+torch.cuda.reset_peak_memory_stats()
+packed = []
+h = model[0](x).detach().requires_grad_()
+with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+    out = model[1](h)  # the block alone: what it holds beyond its parameters and input
+skip = {p.data_ptr() for p in model.parameters()} | {h.data_ptr()}
+held = sum(t.numel() * t.element_size() for t in packed if t.data_ptr() not in skip)
+del out, packed, h
+step()
+torch.cuda.synchronize()
+after = gpu.memory_stats() or {}
+print(json.dumps({
+    "held": held,
+    "torch_peak_allocated": torch.cuda.max_memory_allocated(),
+    "torch_peak_reserved": torch.cuda.max_memory_reserved(),
+    "jax_peak_in_use": after.get("peak_bytes_in_use"),
+    "jax_pool": after.get("pool_bytes", after.get("bytes_reserved")),
+    "gpu_used": torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0],
+}))
+"""
+
+
+def allocator_rows() -> list[tuple[str, str]]:
+    """Both allocators over one training step, each variant in a fresh process.
+
+    torch's peaks are reset before the measured step; JAX's ``peak_bytes_in_use`` cannot
+    be reset, so it covers the whole process (the compiling step included).
+    """
+    rows = []
+    for variant in ("remat", "plain"):
+        result = subprocess.run([sys.executable, "-c", _STEP, variant], cwd=ROOT,
+                                env=_env({}), capture_output=True, text=True)
+        if result.returncode != 0:
+            rows.append((f"training step, {variant}", f"exit {result.returncode}"))
+            print(result.stderr[-3000:])
+            continue
+        m = json.loads(result.stdout.strip().splitlines()[-1])
+        name = "remat_scan (16,16)" if variant == "remat" else "scan, no remat"
+        mb = lambda n: "n/a" if n is None else f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        rows += [
+            (f"depth 256, {name}: held for backward", f"{m['held']:,} B"),
+            (f"depth 256, {name}: torch peak allocated / reserved (step)",
+             f"{mb(m['torch_peak_allocated'])} / {mb(m['torch_peak_reserved'])}"),
+            (f"depth 256, {name}: JAX peak in use (process) / pool",
+             f"{mb(m['jax_peak_in_use'])} / {mb(m['jax_pool'])}"),
+            (f"depth 256, {name}: GPU memory in use after the step", mb(m["gpu_used"])),
+        ]
     return rows
 
 
@@ -84,16 +162,23 @@ def main() -> int:
     if not gpu_available():
         print("gpu_check: no CUDA GPU visible to both torch and JAX here; nothing to check.")
         return 0
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-         str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True,
-    )
-    rows = []
-    for line in result.stdout.splitlines():
-        for status in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
-            if line.startswith(status + " "):
-                rows.append((line[len(status) + 1:].split(" - ")[0], status))
-    rows += memory_comparison()
+    codes = []
+    rows, code = pytest_rows(["-m", "gpu", str(ROOT / "tests")])
+    codes.append(code)
+    cases = str(ROOT / "tests" / "devices_cases.py")
+    variants = [("cuda tensors, JAX default cpu", {"FLAXTORCH_TEST_TORCH_DEVICE": "cuda:0",
+                                                   "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:0"}),
+                ("cpu tensors, JAX default gpu", {"FLAXTORCH_TEST_TORCH_DEVICE": "cpu",
+                                                  "FLAXTORCH_TEST_JAX_DEFAULT": "gpu:0"})]
+    if torch.cuda.device_count() >= 2:
+        variants.append(("cuda:1 tensors, JAX default gpu:0",
+                         {"FLAXTORCH_TEST_TORCH_DEVICE": "cuda:1",
+                          "FLAXTORCH_TEST_JAX_DEFAULT": "gpu:0"}))
+    for label, env in variants:
+        more, code = pytest_rows([cases], label, env)
+        rows += more
+        codes.append(code)
+    rows += allocator_rows()
     width = max(len(r[0]) for r in rows)
     print(f"{'check'.ljust(width)}  result")
     for name, status in rows:
@@ -104,7 +189,9 @@ def main() -> int:
 
     print_leaf_sweep(leaf_sweep((1, 16, 256, 1024, 4096), budget=2.0, min_repeats=7,
                                 device="cuda"), fmt_time)
-    return result.returncode
+    failed = [c for c in codes if c not in (0, 5)] or [
+        1 for _, s in rows if s in ("FAILED", "ERROR") or s.startswith("exit")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
