@@ -12,6 +12,8 @@ from bridge._convert import tree_to_torch as tree_to_torch  # noqa: E402
 from bridge._devices import default_torch_device as default_torch_device  # noqa: E402
 from bridge._devices import jax_device as jax_device  # noqa: E402
 from bridge._devices import torch_device as torch_device  # noqa: E402
+from bridge._dtypes import narrow_to_int32 as narrow_to_int32  # noqa: E402
+from bridge._dtypes import narrows_to_int32 as narrows_to_int32  # noqa: E402
 from bridge._dtypes import numpy_dtype as numpy_dtype  # noqa: E402
 from bridge._dtypes import torch_dtype as torch_dtype  # noqa: E402
 from bridge._exchange import ALIGNMENT as ALIGNMENT  # noqa: E402

@@ -80,6 +80,46 @@ def numpy_dtype(dtype: torch.dtype, *, name: str = "tensor") -> np.dtype:
     return entry[0]
 
 
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def narrows_to_int32(dtype: torch.dtype) -> bool:
+    """Whether a call argument of ``dtype`` crosses as int32: int64 while JAX runs 32-bit.
+
+    Token ids, masks and positions come as int64 from tokenizers, ``torch.randint`` and
+    DataLoaders; they need no gradient, and JAX without x64 would cast them silently.
+    """
+    return dtype is torch.int64 and not jax.config.jax_enable_x64
+
+
+def narrow_to_int32(tensor: torch.Tensor, *, name: str = "tensor",
+                    check: bool = True) -> torch.Tensor:
+    """An int64 tensor as int32, after checking that every value fits (a copy).
+
+    The check is one pass over the values (``aminmax``) and reads two numbers back to the
+    host: on CUDA it waits for the work that produces ``tensor``. ``check=False`` skips
+    it, for values already checked (the same tensor, saved for the backward).
+
+    Raises:
+        TypeError: a value does not fit int32 (naming the argument, the values and the fix).
+
+    Example:
+        >>> narrow_to_int32(torch.tensor([1, 50256])).dtype
+        torch.int32
+    """
+    if check and tensor.numel():
+        lo, hi = (int(v) for v in torch.aminmax(tensor))
+        if lo < _INT32[0] or hi > _INT32[1]:
+            raise TypeError(
+                f"argument '{name}' is torch.int64 with values from {lo} to {hi}, which do "
+                f"not fit int32, and JAX runs without 64-bit types here (int64 arguments "
+                f"are narrowed to int32 when every value fits). Keep the values within "
+                f"[{_INT32[0]}, {_INT32[1]}], or enable 64-bit JAX before the first call with "
+                f"jax.config.update('jax_enable_x64', True)."
+            )
+    return tensor.to(torch.int32)
+
+
 @ft.cache  # on the per-call path: one dict lookup per tensor
 def view_typestr(dtype: torch.dtype) -> tuple[str, np.dtype]:
     """The array-interface typestr of a torch dtype's bytes, and the numpy dtype to view as.

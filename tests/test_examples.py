@@ -16,6 +16,7 @@ EXAMPLES = ROOT / "examples"
 # be added here: test_example_runs fails for it until it is.
 TINY_ARGS = {
     "quickstart.py": ["--steps", "5"],
+    "call_costs.py": ["--tensors", "16", "--repeats", "2"],
     "gpu_check.py": [],
     "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4",
                        "--rounds", "1"],  # without a GPU it says so and exits 0

@@ -134,7 +134,12 @@ def build_call(caller, sig: Signature, values, key: int) -> CompiledCall:
     arg_slot_names = [n for n, s in zip(arg_names(sig.args), sig.statics, strict=True)
                       if s is ARRAY]
     names += arg_slot_names
-    metas += [m[:3] for m in sig.arrays]
+    # int64 arguments (token ids, masks) cross as int32 while JAX runs 32-bit, each value
+    # checked at every call (bridge.narrow_to_int32); the program sees int32.
+    narrow = tuple(n_state + k for k, m in enumerate(sig.arrays)
+                   if bridge.narrows_to_int32(m[1]))
+    metas += [(m[0], torch.int32 if n_state + k in narrow else m[1], m[2])
+              for k, m in enumerate(sig.arrays)]
     grads += [m[3] for m in sig.arrays]
     try:
         checked = check_tensors(
@@ -161,7 +166,8 @@ def build_call(caller, sig: Signature, values, key: int) -> CompiledCall:
     record_signature(caller._recompiles, sig, arg_slot_names, values)
     return CompiledCall(program, sig.exchange, caller.held,
                         recompute=caller.residuals == "recompute", n_vars=n_vars,
-                        n_state=n_state, names=tuple(names), device=device, key=key)
+                        n_state=n_state, names=tuple(names), device=device, key=key,
+                        narrow=narrow)
 
 
 class _Meta:

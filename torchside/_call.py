@@ -32,14 +32,17 @@ class CompiledCall:
         grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
         names: a name per leaf, for messages.
         key: a small int naming this call inside its caller (``torch.compile`` ops).
+        narrow: indices of the int64 argument leaves that cross as int32 (JAX runs
+            32-bit): checked in the forward, converted again unchecked in the backward.
     """
 
     __slots__ = ("program", "exchange", "held", "recompute", "n_vars", "n_state", "rng_used",
                  "write_back", "n_out", "n_results", "nondiff_out", "grad_slots", "names",
-                 "device", "key", "_zero_cots", "_unreached", "_rng_zeros", "_unpack")
+                 "device", "key", "narrow", "_zero_cots", "_unreached", "_rng_zeros",
+                 "_unpack")
 
     def __init__(self, program, exchange, held, *, recompute: bool, n_vars: int, n_state: int,
-                 names: tuple, device: torch.device, key: int):
+                 names: tuple, device: torch.device, key: int, narrow: tuple = ()):
         self.program = program
         self.exchange = exchange
         self.held = held
@@ -55,6 +58,7 @@ class CompiledCall:
         self.names = names
         self.device = device
         self.key = key
+        self.narrow = frozenset(narrow)
         self._zero_cots: dict[int, Any] = {}
         self._unreached: dict[tuple, frozenset] = {}
         self._rng_zeros = None
@@ -79,7 +83,17 @@ class CompiledCall:
     def arrays(self, head: list, leaves) -> list:
         """The program's arrays: ``head`` (the state's) then views of the arguments."""
         view = self.exchange.view
-        return head + [view(t) for t in leaves[self.n_state :]]
+        if not self.narrow:
+            return head + [view(t) for t in leaves[self.n_state :]]
+        return head + [view(self.narrowed(j, t) if j in self.narrow else t)
+                       for j, t in enumerate(leaves[self.n_state :], self.n_state)]
+
+    def narrowed(self, j: int, tensor: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Argument leaf ``j`` (int64) as int32; raises naming it if a value does not fit."""
+        try:
+            return bridge.narrow_to_int32(tensor, name=self.names[j], check=check)
+        except TypeError as e:
+            raise TypeError(f"{self.program.name}: {e}") from None
 
     def run(self, head: list, leaves) -> list[torch.Tensor]:
         """Forward without autograd: nothing is computed or held for a backward."""
@@ -121,14 +135,20 @@ class CompiledCall:
 
     def saved_arrays(self, saved, kept) -> list:
         """Arrays for what ``save_for_backward`` kept (see there), reusing what is unchanged."""
-        exchange, held, n_vars = self.exchange, self.held, self.n_vars
+        exchange, held, n_vars, narrow = self.exchange, self.held, self.n_vars, self.narrow
+
+        def view(j, t):
+            if j < n_vars:
+                return held.get(j, t, exchange)
+            # Saved as given (int64); its values were checked by the forward, and torch's
+            # version counter refuses an in-place change in between.
+            return exchange.view(self.narrowed(j, t, check=False) if j in narrow else t)
+
         if self.recompute:
-            return [held.get(j, t, exchange) if j < n_vars else exchange.view(t)
-                    for j, t in enumerate(saved)]
+            return [view(j, t) for j, t in enumerate(saved)]
         rmap = self.program.residual_map()
         n_in = len(rmap.saved_inputs)
-        arrays = [held.get(j, t, exchange) if j < n_vars else exchange.view(t)
-                  for j, t in zip(rmap.saved_inputs, saved[:n_in], strict=True)]
+        arrays = [view(j, t) for j, t in zip(rmap.saved_inputs, saved[:n_in], strict=True)]
         if kept is None:
             return arrays + [exchange.view(t) for t in saved[n_in:]]
         for t, k in zip(saved[n_in:], kept, strict=True):

@@ -1,0 +1,127 @@
+"""int64 arguments (token ids, masks, positions) while JAX runs without 64-bit types.
+
+Tokenizers, ``torch.randint`` and DataLoaders hand int64 ids. A call narrows each int64
+argument to int32 after checking that every value fits; a value that does not fit raises
+naming the argument, before anything runs. References are pure JAX with int32 ids.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from torchside import FlaxModule, jax_function
+
+VOCAB, WIDTH = 50, 16
+
+
+class TinyLM(nn.Module):
+    """Embedding, one attention-free mixing layer masked by ``mask``, logits."""
+
+    @nn.compact
+    def __call__(self, ids, mask):
+        h = nn.Embed(VOCAB, WIDTH)(ids)
+        h = h + nn.Dense(WIDTH)(jnp.tanh(h)) * mask[..., None]
+        return nn.Dense(VOCAB)(h)
+
+
+def _ids(shape=(4, 6)):
+    return torch.randint(0, VOCAB, shape)  # int64, as a tokenizer's
+
+
+def _reference(m: FlaxModule, ids, mask, ct):
+    variables = jax.tree_util.tree_map(jnp.array, m.flax_variables())
+    ids32 = jnp.asarray(ids.numpy().astype(np.int32))
+    mask32 = jnp.asarray(mask.numpy().astype(np.int32))
+
+    def f(params):
+        return TinyLM().apply({"params": params}, ids32, mask32)
+
+    out, pull = jax.vjp(f, variables["params"])
+    (grads,) = pull(jnp.asarray(ct.numpy()))
+    return np.array(out), grads
+
+
+def _module(**options):
+    example = (torch.zeros(4, 6, dtype=torch.int32), torch.ones(4, 6, dtype=torch.int32))
+    return FlaxModule(TinyLM(), example_args=example, **options)
+
+
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+def test_int64_ids_and_mask_train_like_int32_ones_in_pure_jax(residuals):
+    m = _module(residuals=residuals)
+    ids, mask = _ids(), torch.randint(0, 2, (4, 6))
+    assert ids.dtype == mask.dtype == torch.int64
+    y = m(ids, mask)
+    ct = torch.randn_like(y)
+    (y * ct).sum().backward()
+    want, grads = _reference(m, ids, mask, ct)
+    torch.testing.assert_close(y.detach(), torch.from_numpy(want))
+    torch.testing.assert_close(m.params.Embed_0.embedding.grad,
+                               torch.from_numpy(np.array(grads["Embed_0"]["embedding"])))
+    torch.testing.assert_close(m.params.Dense_0.kernel.grad,
+                               torch.from_numpy(np.array(grads["Dense_0"]["kernel"])))
+    assert ids.dtype == torch.int64  # the caller's tensor is left alone
+
+
+def test_int64_ids_without_grad_and_under_torch_compile():
+    m = _module()
+    ids, mask = _ids(), torch.ones(4, 6, dtype=torch.int64)
+    with torch.no_grad():
+        plain = m(ids, mask)
+    torch.testing.assert_close(plain, torch.from_numpy(_reference(m, ids, mask,
+                                                                  torch.zeros(4, 6, VOCAB))[0]))
+    compiled = torch.compile(m, fullgraph=True)
+    y = compiled(ids, mask)
+    ct = torch.randn_like(y)
+    (y * ct).sum().backward()
+    want, grads = _reference(m, ids, mask, ct)
+    torch.testing.assert_close(y.detach(), torch.from_numpy(want))
+    torch.testing.assert_close(m.params.Embed_0.embedding.grad,
+                               torch.from_numpy(np.array(grads["Embed_0"]["embedding"])))
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1], ids=["too-large", "too-small"])
+def test_a_value_that_does_not_fit_int32_is_refused_by_name_before_anything_runs(bad):
+    m = _module()
+    m.train()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = _ids()
+    ids[1, 2] = bad
+    with pytest.raises(TypeError, match=r"FlaxModule\(TinyLM\): argument 'args\[0\]' is "
+                                        r"torch.int64 with values from -?\d+ to -?\d+, which "
+                                        r"do not fit int32.*jax_enable_x64"):
+        m(ids, torch.ones(4, 6, dtype=torch.int64))
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    assert all(p.grad is None for p in m.parameters())
+    ids[1, 2] = 3
+    m(ids, torch.ones(4, 6, dtype=torch.int64)).sum().backward()  # the next call works
+
+
+def test_int64_and_int32_calls_agree():
+    m = _module()
+    ids, mask = _ids(), torch.ones(4, 6, dtype=torch.int64)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids, mask), m(ids.int(), mask.int()), rtol=0, atol=0)
+
+
+def test_jax_function_int64_positions_with_a_float_input_that_needs_grad():
+    @jax_function
+    def shift(x, pos):
+        return x * jnp.sin(pos.astype(x.dtype))
+
+    x = torch.randn(3, 5, requires_grad=True)
+    pos = torch.arange(15).reshape(3, 5)
+    y = shift(x, pos)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, torch.sin(pos.float()))
+
+
+def test_under_x64_int64_stays_int64(x64):
+    f = jax_function(lambda ids: (ids + 1, ids.dtype == jnp.int64))
+    big = torch.tensor([2**40, -(2**35)])
+    out, is64 = f(big)
+    assert out.dtype == torch.int64 and bool(is64)
+    torch.testing.assert_close(out, big + 1, rtol=0, atol=0)
