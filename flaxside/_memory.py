@@ -44,7 +44,7 @@ class MemoryReport:
         backward_temp_bytes: XLA's scratch memory for the backward program.
         compile_seconds: trace, lowering and compilation of both programs.
         residual_count: how many arrays make up ``held_bytes``.
-        device: the device both programs were compiled for (``cpu:0``, ``gpu:1``).
+        device: the device the compiled forward runs on (``cpu:0``, ``gpu:1``).
     """
 
     held_bytes: int
@@ -165,16 +165,33 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, device=N
         device = _device_of(arg_leaves) or jax_default_device()
     program = Program(fn, specs, name=f"memory_report({type(target).__name__})",
                       device=device)
-    compiled = program.compile_for_report()
-    residual_specs = program.residual_map().residual_specs
-    (fwd, fwd_s), (bwd, bwd_s) = compiled["forward_with_residuals"], compiled["backward"]
+    return program_report(
+        program, param_bytes=_nbytes(s for s, p in zip(specs, param_mask, strict=False) if p))
+
+
+def program_report(program: Program, *, param_bytes: int, held=(),
+                   recompute: bool = False) -> MemoryReport:
+    """The ``MemoryReport`` of the two programs a training call of ``program`` runs.
+
+    Args:
+        program: the compiled programs of one call signature.
+        param_bytes: the parameters' bytes (what the caller counts as parameters).
+        held: ``LeafSpec``s of what the call holds besides ``program``'s residuals (the
+            torch side's saved RNG keys and state copies, for instance).
+        recompute: the ``residuals="recompute"`` programs, which hold no residuals.
+    """
+    compiled = program.compile_for_report(recompute=recompute)
+    (fwd, fwd_s), (bwd, bwd_s) = compiled.values()
+    held = list(held) if recompute else [*program.residual_map().residual_specs, *held]
     fwd_mem, bwd_mem = fwd.memory_analysis(), bwd.memory_analysis()
+    placed = {d for s in jtu.tree_leaves((fwd.input_shardings, fwd.output_shardings))
+              for d in s.device_set}
     return MemoryReport(
-        held_bytes=_nbytes(residual_specs),
-        param_bytes=_nbytes(s for s, p in zip(specs, param_mask, strict=False) if p),
+        held_bytes=_nbytes(held),
+        param_bytes=param_bytes,
         forward_temp_bytes=getattr(fwd_mem, "temp_size_in_bytes", None),
         backward_temp_bytes=getattr(bwd_mem, "temp_size_in_bytes", None),
         compile_seconds=fwd_s + bwd_s,
-        residual_count=len(residual_specs),
-        device=describe(device),
+        residual_count=len(held),
+        device=", ".join(sorted(map(describe, placed))),
     )

@@ -404,20 +404,35 @@ class Program:
                 self._avals(self.out_specs[k] for k in self.diff_out_index)))
         return exe(leaves, cotangents, *fence)
 
-    def compile_for_report(self) -> dict[str, tuple[jax.stages.Compiled, float]]:
-        """Lowers and compiles ``forward_with_residuals`` and ``backward`` from the specs alone.
+    def compile_for_report(self, recompute: bool = False) -> dict[str, tuple]:
+        """Lowers and compiles the two programs a training call runs, from the specs alone.
 
         No data is needed or allocated. Used by ``flaxside.memory_report``.
 
+        Args:
+            recompute: the programs of ``residuals="recompute"`` (``forward`` and
+                ``backward_recompute``) instead of ``forward_with_residuals`` and
+                ``backward``.
+
         Returns:
-            ``{"forward_with_residuals": (compiled, seconds), "backward": (compiled,
-            seconds)}``, seconds covering trace, lowering and compilation.
+            ``{name: (compiled, seconds)}`` for the forward then the backward program,
+            seconds covering trace, lowering and compilation.
         """
         start = time.perf_counter()
-        rmap = self.residual_map()
-        fwd = self._executable("_fwd_res_exe", self._compile_forward_with_residuals)
-        mid = time.perf_counter()
-        bwd = self._executable("_backward_exe", lambda: self._compile(
-            self._backward_body, *self._backward_avals(rmap)))
+        if recompute:
+            fwd = self._executable("_forward_exe", lambda: self._compile(
+                self._forward_body, self._avals(self.specs)))
+            mid = time.perf_counter()
+            bwd = self._executable("_backward_re_exe", lambda: self._compile(
+                self._backward_recompute_body, self._avals(self.specs),
+                self._avals(self.out_specs[k] for k in self.diff_out_index)))
+            names = ("forward", "backward_recompute")
+        else:
+            rmap = self.residual_map()
+            fwd = self._executable("_fwd_res_exe", self._compile_forward_with_residuals)
+            mid = time.perf_counter()
+            bwd = self._executable("_backward_exe", lambda: self._compile(
+                self._backward_body, *self._backward_avals(rmap)))
+            names = ("forward_with_residuals", "backward")
         end = time.perf_counter()
-        return {"forward_with_residuals": (fwd, mid - start), "backward": (bwd, end - mid)}
+        return {names[0]: (fwd, mid - start), names[1]: (bwd, end - mid)}

@@ -16,6 +16,7 @@ from flaxside._leaves import WriteBack as WriteBack
 from flaxside._leaves import is_key as is_key
 from flaxside._leaves import key_data_shape as key_data_shape
 from flaxside._leaves import wrap_keys as wrap_keys
+from flaxside._memory import program_report as program_report
 from flaxside._pack import PACK_BYTES as PACK_BYTES
 from flaxside._pack import pack as pack
 from flaxside._pack import pack_plan as pack_plan
@@ -48,6 +49,7 @@ __all__ = [
     "label_leaves",
     "pack",
     "pack_plan",
+    "program_report",
     "unpack",
     "wrap_keys",
 ]

@@ -123,3 +123,81 @@ def test_flax_module_memory_report_delegates():
     assert (got.held_bytes, got.param_bytes, got.forward_temp_bytes, got.backward_temp_bytes) == (
         want.held_bytes, want.param_bytes, want.forward_temp_bytes, want.backward_temp_bytes)
     assert got.held_bytes == 2 * B * W * 4
+
+
+# -- FlaxModule.memory_report measures the call the module makes (issue 24) ---------------
+class DropNet(nn.Module):
+    """The issue's reproduction: Dense -> Dropout(0.5) -> tanh -> Dense."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dropout(0.5, deterministic=not train)(nn.Dense(64)(x))
+        return nn.Dense(1)(jnp.tanh(h))
+
+
+class BNDropNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(32)(x))
+        h = nn.remat(nn.Dropout, static_argnums=(2,))(0.3)(jnp.tanh(h), not train)
+        return nn.Dense(4)(h)
+
+
+class NnxDropBN(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.out = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jnp.tanh(self.bn(self.lin(x)))))
+
+
+def _held_by_a_real_call(layer, x) -> int:
+    """Bytes a call's graph saves, beyond parameters, buffers, the input and the outputs."""
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = layer(x)
+    own = {t.data_ptr() for t in [*layer.parameters(), *layer.buffers(), x, y]}
+    return sum(t.numel() * t.element_size() for t in packed if t.data_ptr() not in own)
+
+
+MODELS = {
+    "dropout": lambda res: FlaxModule(DropNet(), example_args=(torch.zeros(16, 8),),
+                                      rngs=("dropout",), train_kwarg="train", residuals=res),
+    "batchnorm+remat dropout": lambda res: FlaxModule(
+        BNDropNet(), example_args=(torch.zeros(16, 8),), rngs=("dropout",),
+        train_kwarg="train", residuals=res),
+    "nnx": lambda res: FlaxModule(NnxDropBN(nnx.Rngs(0, dropout=1)), residuals=res),
+}
+
+
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_flax_module_report_is_what_its_call_holds(model, train, residuals):
+    layer = MODELS[model](residuals)
+    layer.train(train)
+    x = torch.randn(16, 8, requires_grad=True)
+    report = layer.memory_report(x)
+    compiled = len(layer._caller.calls)
+    assert report.held_bytes == _held_by_a_real_call(layer, x), report
+    assert len(layer._caller.calls) == compiled  # the call ran the programs the report built
+
+
+def test_train_mode_report_differs_from_eval_where_the_call_does():
+    layer = MODELS["dropout"]("save")
+    x = torch.randn(16, 8, requires_grad=True)
+    layer.train()
+    train = layer.memory_report(x)
+    layer.eval()
+    evaluation = layer.memory_report(x)
+    assert train.held_bytes > evaluation.held_bytes  # the dropout mask and its input
+
+
+def test_report_refuses_a_call_with_no_backward():
+    layer = FlaxModule(nn.Dense(3), example_args=(torch.zeros(2, 4),))
+    layer.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"memory_report: nothing in the call requires grad"):
+        layer.memory_report(torch.zeros(2, 4, dtype=torch.int32))

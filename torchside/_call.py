@@ -110,6 +110,22 @@ class CompiledCall:
         kept = [out[k] for k in self.program.residual_map().saved_outputs] + list(out[n:])
         return tensors[:n], tensors[n:], kept
 
+    def held_besides_residuals(self) -> list:
+        """What a call saves for the backward besides the program's residuals, as specs.
+
+        Besides the owner's variables, the call's arguments and its outputs too (see
+        ``save_for_backward``): a drawn RNG key, copies of written-back state, saved state
+        updates.
+        """
+        program = self.program
+        rng = [program.specs[self.n_vars]] if self.n_state > self.n_vars else []
+        if self.recompute:
+            # Every leaf is saved (the RNG leaf too), written-back state as a clone.
+            return [program.specs[i] for i in self.write_back.targets] + rng
+        rmap = program.residual_map()
+        return ([s for s in rng if self.n_vars in rmap.saved_inputs]
+                + [program.out_specs[k] for k in rmap.saved_outputs if k >= self.n_out])
+
     # -- backward ------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
         """The cotangent of output ``k`` when torch has none, made once (JAX never writes it)."""

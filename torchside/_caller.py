@@ -285,6 +285,31 @@ class Caller:
                         if s is ARRAY)
         jax_device_for(device, lead, self.where)  # a device JAX shares no memory with
 
+    def training_call(self, variables: list, args: tuple, kwargs: dict,
+                      mode: Hashable = None) -> CompiledCall:
+        """The compiled call a training call with these arguments would use; nothing runs.
+
+        Built (and cached) for the signature of a call with grad enabled in ``mode``: the
+        variables as they require grad, and every floating argument requiring grad, as
+        for a block inside a network. ``memory_report`` measures its programs.
+        """
+        tensors, treedef, statics, values = split_args(args, kwargs, self.where)
+        lead = variables[0] if variables else (tensors[0] if tensors else None)
+        device = lead.device if lead is not None else _CPU
+        try:
+            exchange = bridge.exchange_for(device)
+        except Exception:
+            self._explain_state_error(variables, tensors, treedef, statics, device)
+            raise
+        sig = Signature(
+            treedef, statics,
+            tuple((t.shape, t.dtype, t.device, t.is_floating_point() or t.is_complex())
+                  for t in tensors),
+            tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in variables),
+            mode, jax.config.jax_enable_x64, exchange,
+        )
+        return self.lookup(sig, values)
+
     def __call__(self, variables: list, args: tuple, kwargs: dict, mode: Hashable = None):
         """Runs one call. Returns ``(outputs pytree, updates, compiled call)``."""
         if torch._C._are_functorch_transforms_active():

@@ -6,8 +6,7 @@ import jax
 import torch
 
 import bridge
-import flaxside
-from flaxside.internal import adapter_for, init_linen, key_data_shape
+from flaxside.internal import adapter_for, init_linen, key_data_shape, program_report
 from torchside._caller import Caller, Owner
 from torchside._compile import compiled_call
 from torchside._variables import attach_variables, current_tensors, run_scope_hooks
@@ -164,13 +163,21 @@ class FlaxModule(torch.nn.Module):
         return sum(c.program.trace_count for c in self._caller.calls)
 
     def memory_report(self, *example_args, **example_kwargs):
-        """What a training call with these arguments holds and needs; nothing runs.
+        """What a training call with these arguments holds and needs, in the current mode.
 
-        Delegates to ``flaxside.memory_report`` with the shapes of the current variables
-        and of the tensor arguments (every floating one is differentiated).
+        Compiles, without running, the programs a call makes with grad enabled in the
+        module's current mode (``train()``: the train keyword, the RNG streams, mutable
+        collections; ``eval()``: read-only state, no RNG draw) and boundary mode, for the
+        device the call would run on. Every floating argument counts as requiring grad, as
+        for a block inside a network. ``held_bytes`` is what the call saves for backward
+        besides the parameters, buffers, arguments and outputs: the residuals, a drawn RNG
+        key, copies of written-back state. The compiled programs stay cached for the call.
 
         Returns:
             A ``flaxside.MemoryReport``; ``print`` it for a table.
+
+        Raises:
+            ValueError: nothing in the call requires grad, so there is no backward.
 
         Example:
             >>> import flax.linen as nn
@@ -178,24 +185,19 @@ class FlaxModule(torch.nn.Module):
             >>> layer.memory_report(torch.zeros(2, 4)).param_bytes
             60
         """
-        def shape(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            return jax.ShapeDtypeStruct(tuple(t.shape), bridge.numpy_dtype(t.dtype))
-
-        tensors = current_tensors(self._refs)
-        given = [t for t in jtu.tree_leaves((example_args, example_kwargs))
-                 if isinstance(t, torch.Tensor)]
-        lead = (tensors or given or [None])[0]
-        # Compiled for the device a call would run on (memory differs between backends).
-        device = bridge.jax_device(lead.device if lead is not None else torch.device("cpu"),
-                                   name="memory_report")
-        args, kwargs = jtu.tree_map(shape, (example_args, example_kwargs))
-        if self._nnx:  # the module carries its state; only shapes matter
-            return flaxside.memory_report(self.flax_module, *args, device=device, **kwargs)
-        variables = self._adapter.variables(map(shape, tensors))
-        return flaxside.memory_report(self.flax_module, *args, variables=variables,
-                                      device=device, **kwargs)
+        variables = current_tensors(self._refs)
+        call = self._caller.training_call(variables, example_args, example_kwargs,
+                                          self._mode())
+        if not call.grad_slots:
+            raise ValueError(
+                f"{self._caller.where}.memory_report: nothing in the call requires grad (no "
+                f"floating parameter that requires grad, no floating argument), so there is "
+                f"no backward to measure."
+            )
+        param_bytes = sum(t.numel() * t.element_size()
+                          for t, p in zip(variables, self._is_param, strict=True) if p)
+        return program_report(call.program, param_bytes=param_bytes,
+                              held=call.held_besides_residuals(), recompute=call.recompute)
 
     # -- the call -----------------------------------------------------------------------
     def _mode(self):
