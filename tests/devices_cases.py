@@ -18,6 +18,7 @@ run (the file name does not start with ``test_``); to run it directly:
         python -m pytest tests/devices_cases.py
 """
 
+import functools as ft
 import gc
 
 import flax.linen as nn
@@ -33,6 +34,7 @@ import flaxside
 from flaxside.internal import key_data_shape, wrap_keys
 from tests.corpus_helpers import check_function, check_linen, check_nnx, reference_on
 from tests.devices_env import apply_default_device, tensor_device
+from tests.twins import NnxDropoutMLP
 from torchside import FlaxModule, jax_function
 
 OTHER = apply_default_device()
@@ -106,6 +108,25 @@ class Net(nn.Module):
         return nn.Dense(4)(h)
 
 
+def _linen_reference(module, variables, x, ct, train: bool, rngs=None):
+    """Output, state updates and gradients (params, x) of ``module`` in pure JAX on RIGHT."""
+
+    @jax.jit
+    def reference(params, x, ct):
+        def f(params, x):
+            v = {**variables, "params": params}
+            if train:
+                return module.apply(v, x, train=True, rngs=rngs, mutable=["batch_stats"])
+            return module.apply(v, x, train=False), {}
+
+        out, pull, updates = jax.vjp(f, params, x, has_aux=True)
+        return out, updates, pull(ct)
+
+    result = reference(variables["params"], _j(x), _j(ct))
+    _on_right(result)
+    return result
+
+
 def _raw_keys(seed: int):
     """The key data a forward draws from torch's generator right after ``manual_seed``."""
     torch.manual_seed(seed)
@@ -129,20 +150,7 @@ def test_linen_buffers_and_dropout(train, residuals):
     watch.check()
 
     rngs = wrap_keys(_j(_raw_keys(7)), ("dropout",)) if train else None
-
-    @jax.jit
-    def reference(params, x, ct):
-        def f(params, x):
-            v = {**variables, "params": params}
-            if train:
-                return Net().apply(v, x, train=True, rngs=rngs, mutable=["batch_stats"])
-            return Net().apply(v, x, train=False), {}
-
-        out, pull, updates = jax.vjp(f, params, x, has_aux=True)
-        return out, updates, pull(ct)
-
-    out, updates, (g_params, g_x) = reference(variables["params"], _j(x), _j(ct))
-    _on_right((out, updates, g_params, g_x))
+    out, updates, (g_params, g_x) = _linen_reference(Net(), variables, x, ct, train, rngs)
     _close(y, out, "output")
     _close(x.grad, g_x, "x.grad")
     grads = dict(m.named_parameters())
@@ -171,15 +179,7 @@ def test_linen_module_initialized_from_static_arguments_only():
 
 
 # -- NNX: buffers (BatchNorm), dropout (the module's own stream), train and eval --------
-class NNet(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(5, 16, rngs=rngs)
-        self.bn = nnx.BatchNorm(16, momentum=0.8, rngs=rngs)
-        self.drop = nnx.Dropout(0.3, rngs=rngs)
-        self.l2 = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(self.drop(jnp.tanh(self.bn(self.l1(x)))))
+NNet = ft.partial(NnxDropoutMLP, din=5, hidden=16, dout=4, rate=0.3, momentum=0.8)
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -201,7 +201,7 @@ def test_nnx_module_arrays_are_not_kept_on_the_default_device():
     assert sum(OTHER in a.devices() for a in jax.live_arrays()) < on_default
     watch = Placement()
     y = layer(torch.randn(3, 5).to(TORCH))
-    assert layer.flax_module.l1.kernel[...].devices() == {RIGHT}  # views of torch's state
+    assert layer.flax_module.fc1.kernel[...].devices() == {RIGHT}  # views of torch's state
     assert y.shape == (3, 4)
     watch.check()
 
@@ -279,17 +279,7 @@ def test_torch_compile_fullgraph(residuals):
     (y * ct).sum().backward()
     watch.check()
 
-    @jax.jit
-    def reference(params, x, ct):
-        def f(params, x):
-            return BNBlock().apply({**variables, "params": params}, x, train=True,
-                                   mutable=["batch_stats"])
-
-        out, pull, updates = jax.vjp(f, params, x, has_aux=True)
-        return out, updates, pull(ct)
-
-    out, updates, (g_params, g_x) = reference(variables["params"], _j(x), _j(ct))
-    _on_right((out, updates, g_params, g_x))
+    out, updates, (g_params, g_x) = _linen_reference(BNBlock(), variables, x, ct, True)
     _close(y, out, "output")
     _close(x.grad, g_x, "x.grad")
     _close(m.params.Dense_0.kernel.grad, g_params["Dense_0"]["kernel"], "kernel.grad")

@@ -35,14 +35,17 @@ ROUTES = [
 ]
 
 
-@pytest.fixture(params=ROUTES)
-def route(request):
+def _in_mode(request):
+    """Runs the test in the route's exchange mode; yields its torch device."""
     device, mode = request.param
     previous = bridge.set_exchange_mode(mode)
     try:
         yield device
     finally:
         bridge.set_exchange_mode(previous)
+
+
+route = pytest.fixture(params=ROUTES, name="route")(_in_mode)
 
 
 def _width(device: str) -> int:
@@ -144,14 +147,7 @@ DLPACK_ROUTES = [
 ]
 
 
-@pytest.fixture(params=DLPACK_ROUTES)
-def dlpack_route(request):
-    device, mode = request.param
-    previous = bridge.set_exchange_mode(mode)
-    try:
-        yield device
-    finally:
-        bridge.set_exchange_mode(previous)
+dlpack_route = pytest.fixture(params=DLPACK_ROUTES, name="dlpack_route")(_in_mode)
 
 
 def _steps(log) -> list[str]:

@@ -12,7 +12,13 @@ from flax import nnx
 
 import flaxside
 from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply, unpack
-from tests.twins import NnxResidualMLPBlock, ResidualMLPBlock, ScanRematStack, ScanStack
+from tests.twins import (
+    NnxDropoutMLP,
+    NnxResidualMLPBlock,
+    ResidualMLPBlock,
+    ScanRematStack,
+    ScanStack,
+)
 from torchside import FlaxModule
 
 jtu = jax.tree_util
@@ -143,17 +149,6 @@ class BNDropNet(nn.Module):
         return nn.Dense(4)(h)
 
 
-class NnxDropBN(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(8, 32, rngs=rngs)
-        self.bn = nnx.BatchNorm(32, rngs=rngs)
-        self.drop = nnx.Dropout(0.3, rngs=rngs)
-        self.out = nnx.Linear(32, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.drop(jnp.tanh(self.bn(self.lin(x)))))
-
-
 def _held_by_a_real_call(layer, x) -> int:
     """Bytes a call's graph saves, beyond parameters, buffers, the input and the outputs."""
     packed = []
@@ -169,7 +164,8 @@ MODELS = {
     "batchnorm+remat dropout": lambda res: FlaxModule(
         BNDropNet(), example_args=(torch.zeros(16, 8),), rngs=("dropout",),
         train_kwarg="train", residuals=res),
-    "nnx": lambda res: FlaxModule(NnxDropBN(nnx.Rngs(0, dropout=1)), residuals=res),
+    "nnx": lambda res: FlaxModule(NnxDropoutMLP(nnx.Rngs(0, dropout=1), din=8, hidden=32,
+                                                dout=4, rate=0.3), residuals=res),
 }
 
 

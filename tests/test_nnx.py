@@ -7,6 +7,7 @@ import pytest
 import torch
 from flax import nnx
 
+from tests.twins import NnxDropoutMLP
 from torchside import FlaxModule
 
 
@@ -14,15 +15,7 @@ def _t(a):
     return torch.from_numpy(np.array(a))
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.fc1 = nnx.Linear(5, 8, rngs=rngs)
-        self.bn = nnx.BatchNorm(8, momentum=0.7, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-        self.fc2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.fc2(self.drop(nnx.relu(self.bn(self.fc1(x)))))
+MLP = NnxDropoutMLP
 
 
 class Block(nnx.Module):

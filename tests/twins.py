@@ -104,6 +104,21 @@ class NnxResidualMLPBlock(nnx.Module):
         return x + self.fc2(nnx.gelu(self.fc1(self.norm(x)), approximate=False))
 
 
+class NnxDropoutMLP(nnx.Module):
+    """Linear -> BatchNorm -> activation -> Dropout -> Linear: NNX state of every kind
+    (Params, batch statistics, an RNG stream and its count)."""
+
+    def __init__(self, rngs, din: int = 5, hidden: int = 8, dout: int = 3,
+                 rate: float = 0.5, momentum: float = 0.7):
+        self.fc1 = nnx.Linear(din, hidden, rngs=rngs)
+        self.bn = nnx.BatchNorm(hidden, momentum=momentum, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(self.drop(nnx.relu(self.bn(self.fc1(x)))))
+
+
 class TorchResidualMLPBlock(torch.nn.Module):
     """The torch twin of ``ResidualMLPBlock``."""
 
