@@ -10,13 +10,15 @@ import jax
 import torch
 
 from bridge import _devices, _dtypes
-from bridge._exchange import ALIGNMENT, cpu_tensor, cpu_view
+from bridge._exchange import ALIGNMENT, cpu_tensor, cpu_view, is_zero_copy
 
 
-def is_zero_copy(tensor: torch.Tensor) -> bool:
-    """Whether JAX can use ``tensor``'s memory in place (compact and 64-byte aligned)."""
-    return (tensor.is_contiguous() and tensor.data_ptr() % ALIGNMENT == 0
-            and not tensor.is_conj() and not tensor.is_neg())
+def _named(function: str, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, its error naming ``function`` (the one the user called)."""
+    try:
+        return check(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{function}: {e}") from None
 
 
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, name: str = "tensor") -> jax.Array:
@@ -49,11 +51,8 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, name: str = "tenso
         raise TypeError(
             f"to_jax: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}."
         )
-    _dtypes.numpy_dtype(tensor.dtype, name=name)
-    try:
-        device = _devices.jax_device(tensor.device, name=name)
-    except ValueError as e:
-        raise ValueError(f"to_jax: {e}") from None
+    _named("to_jax", _dtypes.numpy_dtype, tensor.dtype, name=name)
+    device = _named("to_jax", _devices.jax_device, tensor.device, name=name)
     if copy is False and not is_zero_copy(tensor):
         if not tensor.is_contiguous():
             reason = "not contiguous (transposed, sliced or expanded)"
@@ -106,7 +105,7 @@ def to_torch(array: jax.Array, *, copy: bool | None = None, name: str = "array")
     """
     if not isinstance(array, jax.Array):
         raise TypeError(f"to_torch: argument '{name}' must be a jax.Array, got {type(array)}.")
-    _dtypes.torch_dtype(array.dtype, name=name)
+    _named("to_torch", _dtypes.torch_dtype, array.dtype, name=name)
     devices = array.devices()
     if len(devices) != 1:
         raise ValueError(
@@ -114,12 +113,20 @@ def to_torch(array: jax.Array, *, copy: bool | None = None, name: str = "array")
             f"onto one first, e.g. jax.device_put(x, jax.devices()[0])."
         )
     (device,) = devices
-    if _devices.torch_device(device).type == "cpu":
+    if _named("to_torch", _devices.torch_device, device).type == "cpu":
         array.block_until_ready()
         out = cpu_tensor(array)
     else:
         out = torch.from_dlpack(array)
     return out.clone() if copy else out
+
+
+def _map_tree(tree, kind: type, convert, copy):
+    """``convert`` on every leaf of type ``kind``, named by its path; others as they are."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [convert(leaf, copy=copy, name=jax.tree_util.keystr(path) or "tree")
+              if isinstance(leaf, kind) else leaf for path, leaf in paths]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def tree_to_jax(tree, *, copy: bool | None = None):
@@ -129,14 +136,7 @@ def tree_to_jax(tree, *, copy: bool | None = None):
         >>> tree_to_jax({"x": torch.ones(2), "n": 3})["n"]
         3
     """
-    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [
-        to_jax(leaf, copy=copy, name=jax.tree_util.keystr(path) or "tree")
-        if isinstance(leaf, torch.Tensor)
-        else leaf
-        for path, leaf in paths
-    ]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return _map_tree(tree, torch.Tensor, to_jax, copy)
 
 
 def tree_to_torch(tree, *, copy: bool | None = None):
@@ -146,12 +146,5 @@ def tree_to_torch(tree, *, copy: bool | None = None):
         >>> tree_to_torch({"x": jax.numpy.ones(2)})["x"].dtype
         torch.float32
     """
-    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    jax.block_until_ready([leaf for _, leaf in paths if isinstance(leaf, jax.Array)])
-    leaves = [
-        to_torch(leaf, copy=copy, name=jax.tree_util.keystr(path) or "tree")
-        if isinstance(leaf, jax.Array)
-        else leaf
-        for path, leaf in paths
-    ]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)])
+    return _map_tree(tree, jax.Array, to_torch, copy)

@@ -139,7 +139,7 @@ def torch_device(device) -> torch.device:
     if device.platform in _GPU_PLATFORMS:
         return torch.device("cuda", device.local_hardware_id)
     raise ValueError(
-        f"to_torch: JAX device {device} ({device.platform}) has no torch counterpart; "
+        f"JAX device {device} ({device.platform}) has no torch counterpart; "
         f"move the array with jax.device_put(x, jax.devices('cpu')[0]) first."
     )
 
@@ -155,3 +155,8 @@ def default_torch_device() -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device if device.type in ("cpu", "cuda") else torch.device("cpu")
+
+
+# Before anything can start JAX's GPU backend: importing bridge (which imports this module
+# first) is what keeps JAX from reserving most of the GPU beside torch.
+configure_gpu_memory()

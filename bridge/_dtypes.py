@@ -66,13 +66,13 @@ def numpy_dtype(dtype: torch.dtype, *, name: str = "tensor") -> np.dtype:
     if entry is None:
         supported = ", ".join(sorted(str(d) for d in _TABLE))
         raise TypeError(
-            f"to_jax: argument '{name}' has dtype {dtype}, which JAX cannot hold. "
+            f"argument '{name}' has dtype {dtype}, which JAX cannot hold. "
             f"Supported dtypes: {supported}. Cast it first, e.g. {name}.float()."
         )
     if dtype in _WIDE and not jax.config.jax_enable_x64:
         narrow = _NARROW.get(dtype, "a 32-bit dtype")
         raise TypeError(
-            f"to_jax: argument '{name}' is {dtype}, but JAX runs without 64-bit types here "
+            f"argument '{name}' is {dtype}, but JAX runs without 64-bit types here "
             f"and would silently cast it to 32 bits (2147483653 becomes -2147483643). Either "
             f"pass {name}.to({narrow}), or enable 64-bit JAX before the first call with "
             f"jax.config.update('jax_enable_x64', True)."
@@ -147,7 +147,7 @@ def torch_dtype(dtype: np.dtype, *, name: str = "array") -> torch.dtype:
         return _FROM_NUMPY[np.dtype(dtype)]
     except (KeyError, TypeError):
         raise TypeError(
-            f"to_torch: argument '{name}' has dtype {dtype}, which torch cannot hold. "
+            f"argument '{name}' has dtype {dtype}, which torch cannot hold. "
             f"Cast it in JAX first, e.g. {name}.astype(jnp.float32)."
         ) from None
 

@@ -95,6 +95,19 @@ class _Memory:
         }
 
 
+def in_place(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its values as JAX reads them.
+
+    Compact, with no lazy conjugate or negative bit; alignment aside (``is_zero_copy``).
+    """
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def is_zero_copy(tensor: torch.Tensor) -> bool:
+    """Whether JAX can use ``tensor``'s memory in place (compact and 64-byte aligned)."""
+    return in_place(tensor) and tensor.data_ptr() % ALIGNMENT == 0
+
+
 def logical(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with its values in memory: compact, no lazy conjugate or negative bit."""
     if tensor.is_conj():
@@ -114,7 +127,7 @@ def cpu_view(tensor: torch.Tensor, owner=True) -> np.ndarray:
     The caller has checked the dtype (``_dtypes.numpy_dtype``). ``owner=True`` keeps the
     tensor alive with the view; ``None`` does not (held arrays).
     """
-    if tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous():
+    if not in_place(tensor):
         tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
     typestr, np_dtype = _dtypes.view_typestr(tensor.dtype)
     shape = tuple(tensor.shape)
@@ -137,8 +150,7 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
 
 
 def _holdable(tensor: torch.Tensor) -> bool:
-    return (tensor.is_leaf and tensor.is_contiguous() and not tensor.is_conj()
-            and not tensor.is_neg() and tensor.data_ptr() % ALIGNMENT == 0)
+    return tensor.is_leaf and is_zero_copy(tensor)
 
 
 def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
@@ -234,10 +246,11 @@ class CpuExchange:
             return None
         return array
 
-    def run(self, program, *args) -> tuple[list, list[torch.Tensor]]:
+    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args)``: its result arrays, and torch tensors over them.
 
-        Waits for JAX to compute the results before torch may read them.
+        Waits for JAX to compute the results before torch may read them. ``name`` names
+        the program (for ``record_ordering`` on the DLPack route).
         """
         arrays = program(*args)
         for a in arrays:  # the method: jax.block_until_ready walks a pytree first
@@ -280,17 +293,18 @@ class DlpackExchange:
             return None
         return array
 
-    def run(self, program, *args) -> tuple[list, list[torch.Tensor]]:
+    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args, fence)``: its result arrays, and torch tensors over them.
 
-        ``program`` is compiled with one more argument, the fence, that it waits for.
+        ``program`` is compiled with one more argument, the fence, that it waits for;
+        ``name`` names it in what ``record_ordering`` records.
         """
         device = self.torch_device
         # torch's current stream -> event -> JAX's stream, after everything torch queued.
         fence = jax.dlpack.from_dlpack(self._fence)
         if _recorders:
             _record("torch->jax", device)
-            _record("run", device, getattr(program, "__name__", repr(program)))
+            _record("run", device, name)
         arrays = program(*args, fence)
         # JAX's results -> torch's current stream (JAX's __dlpack__ is given torch's stream).
         tensors = [torch.from_dlpack(a) for a in arrays]
@@ -353,7 +367,7 @@ class HeldArrays:
                     if array is None:
                         out.append(exchange.view(t))
                         continue
-                    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                    if in_place(t):  # not so: a same-address view with other strides
                         out.append(array)
                         continue
             # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
@@ -373,8 +387,7 @@ class HeldArrays:
         """
         s = self._slots[slot] if slot < len(self._slots) else None
         if (s is not None and s[5] is not None and s[0] == tensor.data_ptr() and s[4] is exchange
-                and s[1] is tensor.dtype and s[2] == tensor.shape and tensor.is_contiguous()
-                and not tensor.is_conj() and not tensor.is_neg()):
+                and s[1] is tensor.dtype and s[2] == tensor.shape and in_place(tensor)):
             return s[5]
         return exchange.view(tensor)
 

@@ -18,7 +18,8 @@ import time
 import jax
 import torch
 
-from bridge import HeldArrays, exchange_for, narrow_to_int32, set_exchange_mode
+from bridge import set_exchange_mode
+from bridge.internal import HeldArrays, exchange_for, narrow_to_int32
 
 
 def per_item(fn, n: int, repeats: int) -> float:
@@ -53,7 +54,7 @@ def main() -> None:
         ("torch -> JAX: a parameter's held array, checked and reused",
          per_item(lambda: held.arrays(tensors, cpu), n, repeats), "yes"),
         ("JAX -> torch: result view, after waiting for it",
-         per_item(lambda: cpu.run(lambda: arrays), n, repeats), "yes"),
+         per_item(lambda: cpu.run("results", lambda: arrays), n, repeats), "yes"),
         ("a gradient's view of the packed gradient buffer",
          per_item(lambda: torch._C._nn.unflatten_dense_tensors(packed, templates), n,
                   repeats), "yes"),

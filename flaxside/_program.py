@@ -32,46 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxside._conventions import conj, distinct, memory_space, output_name
 from flaxside._depends import input_masks
 from flaxside._device import aval, compiling_for
+from flaxside._leaves import is_key
 from flaxside._pack import pack, pack_plan, unpack
 from flaxside._specs import LeafSpec, ResidualMap, is_differentiable
 from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
 
-
-def _distinct(results: list, inputs: Sequence) -> list:
-    """Copies results that are an input or repeat another result, at trace time.
-
-    JAX may hand an input that a jitted function returns unchanged back as the same buffer,
-    and a gradient that is the cotangent itself (or shared by two leaves) as one buffer.
-    Exchanged zero-copy, torch would then see two tensors over one memory, and an in-place
-    update of one (a gradient accumulation, say) would silently change the other.
-    """
-    seen = {id(x) for x in inputs}
-    out = []
-    for r in results:
-        if id(r) in seen:
-            r = jnp.array(r, copy=True)
-        seen.add(id(r))
-        out.append(r)
-    return out
-
-
-def _memory_space(x) -> str:
-    abstract = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
-    space = getattr(abstract, "memory_space", None)
-    return "device" if space is None else str(getattr(space, "name", space)).lower()
-
-
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _conj(x):
-    """Torch's complex convention at the boundary (identity for real dtypes)."""
-    return jnp.conj(x) if jnp.iscomplexobj(x) else x
+PROGRAMS = ("forward", "forward_with_residuals", "backward", "backward_recompute")
 
 
 def internal_assert(condition: bool, message: str) -> None:
@@ -82,19 +53,13 @@ def internal_assert(condition: bool, message: str) -> None:
         )
 
 
-def _output_name(treedef, index: int) -> str:
-    paths = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
-    path = jtu.keystr(paths[index][0])
-    return f"output {path}" if path else "the output"
-
-
 @dataclasses.dataclass(frozen=True)
 class _Structure:
     """What one trace of ``fn`` returns besides arrays; equal for every trace."""
 
     out_treedef: Any
     n_out: int
-    static: Hashable
+    write_back: Hashable
 
 
 class Program:
@@ -105,9 +70,9 @@ class Program:
     fixed by the first lowering of ``forward_with_residuals``. A call does only the dispatch.
 
     Args:
-        fn: ``fn(leaves) -> (outputs, aux, static)``: ``outputs`` a pytree of arrays, ``aux``
-            a list of arrays that never carry gradients (e.g. updated Flax collections) and
-            ``static`` a hashable Python value that every trace returns equal (e.g. which
+        fn: ``fn(leaves) -> (outputs, aux, write_back)``: ``outputs`` a pytree of arrays,
+            ``aux`` a list of arrays that never carry gradients (updated Flax collections) and
+            ``write_back`` a hashable Python value that every trace returns equal (which
             state the aux leaves replace).
         specs: one ``LeafSpec`` per leaf; ``diff`` marks the leaves to differentiate.
         name: used in error messages.
@@ -122,7 +87,8 @@ class Program:
             that depend on a differentiated leaf (the only ones that take a cotangent).
         n_out: how many of ``out_specs`` are outputs (the rest are aux).
         out_treedef: the structure of the outputs.
-        static: the ``static`` value ``fn`` returned.
+        write_back: the ``write_back`` value ``fn`` returned (``flaxside.internal.WriteBack``
+            for the torch side: which variables the aux replace, the NNX graph after).
         reads: per leaf, whether any result depends on it.
         grad_pack: where each gradient (``diff_index`` order) sits in what the backward
             programs return (``pack_plan``): small gradients leave packed, one buffer per
@@ -148,7 +114,7 @@ class Program:
         self.grad_pack, buffers = pack_plan([self.specs[i] for i in self.diff_index])
         self.grad_specs = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
         self.trace_count = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # compiling the backward asks for the residual map
         found = []
 
         def abstract(leaves):
@@ -161,7 +127,7 @@ class Program:
         (self._structure,) = found
         self.out_treedef = self._structure.out_treedef
         self.n_out = self._structure.n_out
-        self.static = self._structure.static
+        self.write_back = self._structure.write_back
         masks = input_masks(closed.jaxpr)
         diff_bits = sum(1 << i for i in self.diff_index)
         self.out_specs = tuple(
@@ -180,33 +146,30 @@ class Program:
         )
         self._residual_map: ResidualMap | None = None
         self._fwd_res_lowered = None
-        self._forward_exe = None
-        self._fwd_res_exe = None
-        self._backward_exe = None
-        self._backward_re_exe = None
+        self._executables: dict[str, jax.stages.Compiled] = {}
 
     # -- traced bodies -----------------------------------------------------------------
     def _results(self, leaves) -> tuple[list, _Structure]:
         """``fn`` on the leaves: results (outputs then aux, never aliasing an input)."""
-        out, aux, static = self.fn(list(leaves))
+        out, aux, write_back = self.fn(list(leaves))
         out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
             if not isinstance(leaf, jax.Array | np.ndarray | bool | int | float | complex):
                 raise TypeError(
-                    f"{self.name}: {_output_name(out_treedef, i)} of the function is a "
+                    f"{self.name}: {output_name(out_treedef, i)} of the function is a "
                     f"{type(leaf).__name__}, which is not an array: only arrays can cross to "
                     f"torch. Return arrays (or a tuple/list/dict of arrays), or register "
                     f"{type(leaf).__name__} as a pytree (flax.struct.dataclass, "
                     f"jax.tree_util.register_dataclass)."
                 )
-            if isinstance(leaf, jax.Array) and _is_key(leaf):
+            if isinstance(leaf, jax.Array) and is_key(leaf):
                 raise TypeError(
-                    f"{self.name}: {_output_name(out_treedef, i)} of the function is a typed "
+                    f"{self.name}: {output_name(out_treedef, i)} of the function is a typed "
                     f"PRNG key array ({leaf.dtype}), which torch cannot hold. Return "
                     f"jax.random.key_data(key) instead."
                 )
-        results = _distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
-        return results, _Structure(out_treedef, len(out_leaves), static)
+        results = distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
+        return results, _Structure(out_treedef, len(out_leaves), write_back)
 
     def _traced_results(self, leaves) -> list:
         results, structure = self._results(leaves)
@@ -235,7 +198,7 @@ class Program:
         full = []
         for s in self.out_specs[: self.n_out]:
             if s.diff:
-                full.append(_conj(next(cots)))
+                full.append(conj(next(cots)))
             elif is_differentiable(s.dtype):
                 full.append(jnp.zeros(s.shape, s.dtype))
             else:
@@ -262,15 +225,15 @@ class Program:
         )
         # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
         # leave as raw key data and are wrapped again, with the same implementation.
-        key_impls = tuple(jax.random.key_impl(r) if _is_key(r) else None for r in residuals)
-        residuals = [jax.random.key_data(r) if _is_key(r) else r for r in residuals]
-        placement, _ = pack_plan(residuals, [_memory_space(r) != "device" for r in residuals])
+        key_impls = tuple(jax.random.key_impl(r) if is_key(r) else None for r in residuals)
+        residuals = [jax.random.key_data(r) if is_key(r) else r for r in residuals]
+        placement, _ = pack_plan(residuals, [memory_space(r) != "device" for r in residuals])
         buffers = pack(residuals, placement)
         residual_map = ResidualMap(
             vjp_treedef=vjp_treedef, sources=sources, saved_inputs=tuple(saved["in"]),
             saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=placement,
             residual_specs=tuple(LeafSpec(tuple(b.shape), np.dtype(b.dtype)) for b in buffers),
-            offloaded=tuple(_memory_space(b) != "device" for b in buffers),
+            offloaded=tuple(memory_space(b) != "device" for b in buffers),
         )
         return results, buffers, residual_map
 
@@ -283,15 +246,15 @@ class Program:
         ]
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
         vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
-        grads = [_conj(g) for g in vjp(self._cotangents(cotangents))]
-        return pack(_distinct(grads, list(cotangents) + list(saved_inputs)
+        grads = [conj(g) for g in vjp(self._cotangents(cotangents))]
+        return pack(distinct(grads, list(cotangents) + list(saved_inputs)
                               + list(saved_outputs) + list(residuals)), self.grad_pack)
 
     def _backward_recompute_body(self, leaves, cotangents, *fence):
         self.trace_count += 1
         _, vjp = self._vjp(list(leaves))
-        grads = [_conj(g) for g in vjp(self._cotangents(cotangents))]
-        return pack(_distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
+        grads = [conj(g) for g in vjp(self._cotangents(cotangents))]
+        return pack(distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
 
     # -- compilation -------------------------------------------------------------------
     def _avals(self, specs) -> list:
@@ -336,23 +299,39 @@ class Program:
             self._avals(self.out_specs[k] for k in self.diff_out_index),
         )
 
-    def _executable(self, attr: str, make: Callable):
-        exe = getattr(self, attr)
+    def executable(self, kind: str) -> jax.stages.Compiled:
+        """The executable of one program (``PROGRAMS``), compiled at its first request.
+
+        The torch side keeps what this returns per signature and calls it directly, with
+        the arguments of the method of the same name (and the fence, with ``fence=True``).
+        """
+        exe = self._executables.get(kind)
         if exe is None:
             with self._lock:
-                exe = getattr(self, attr)
+                exe = self._executables.get(kind)
                 if exe is None:
-                    exe = make()
-                    setattr(self, attr, exe)
+                    exe = self._executables[kind] = self._compile_program(kind)
         return exe
+
+    def _compile_program(self, kind: str):
+        if kind == "forward":
+            return self._compile(self._forward_body, self._avals(self.specs))
+        if kind == "forward_with_residuals":
+            self.residual_map()
+            with compiling_for(self.device):
+                return self._fwd_res_lowered.compile()
+        if kind == "backward":
+            return self._compile(self._backward_body,
+                                 *self._backward_avals(self.residual_map()))
+        if kind == "backward_recompute":
+            return self._compile(self._backward_recompute_body, self._avals(self.specs),
+                                 self._avals(self.out_specs[k] for k in self.diff_out_index))
+        raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
 
     # -- calls -------------------------------------------------------------------------
     def forward(self, leaves: Sequence, *fence) -> list[jax.Array]:
         """Outputs (then aux) only: nothing is kept for a backward."""
-        exe = self._forward_exe or self._executable(
-            "_forward_exe",
-            lambda: self._compile(self._forward_body, self._avals(self.specs)))
-        return exe(leaves, *fence)
+        return self.executable("forward")(leaves, *fence)
 
     def forward_with_residuals(self, leaves: Sequence, *fence) -> list[jax.Array]:
         """Outputs, aux, then the residuals the backward needs beyond inputs and outputs.
@@ -360,15 +339,7 @@ class Program:
         One flat list: the first ``len(out_specs)`` are the results, the rest the residual
         buffers (``residual_map().residual_specs``).
         """
-        exe = self._fwd_res_exe
-        if exe is None:
-            self.residual_map()
-            exe = self._executable("_fwd_res_exe", self._compile_forward_with_residuals)
-        return exe(leaves, *fence)
-
-    def _compile_forward_with_residuals(self):
-        with compiling_for(self.device):
-            return self._fwd_res_lowered.compile()
+        return self.executable("forward_with_residuals")(leaves, *fence)
 
     def backward(self, saved_inputs, saved_outputs, residuals, cotangents,
                  *fence) -> list[jax.Array]:
@@ -383,13 +354,8 @@ class Program:
             cotangents: one per differentiable output (``diff_out_index``).
             *fence: the ordering array, with ``fence=True``.
         """
-        exe = self._backward_exe
-        if exe is None:
-            internal_assert(self._residual_map is not None,
-                            "backward before forward_with_residuals")
-            exe = self._executable("_backward_exe", lambda: self._compile(
-                self._backward_body, *self._backward_avals(self._residual_map)))
-        return exe(saved_inputs, saved_outputs, residuals, cotangents, *fence)
+        return self.executable("backward")(saved_inputs, saved_outputs, residuals,
+                                           cotangents, *fence)
 
     def backward_recompute(self, leaves: Sequence, cotangents: Sequence,
                            *fence) -> list[jax.Array]:
@@ -398,11 +364,7 @@ class Program:
         Like ``torch.utils.checkpoint`` around the whole block: nothing but the inputs is
         held between ``forward`` and this call.
         """
-        exe = self._backward_re_exe or self._executable(
-            "_backward_re_exe", lambda: self._compile(
-                self._backward_recompute_body, self._avals(self.specs),
-                self._avals(self.out_specs[k] for k in self.diff_out_index)))
-        return exe(leaves, cotangents, *fence)
+        return self.executable("backward_recompute")(leaves, cotangents, *fence)
 
     def compile_for_report(self, recompute: bool = False) -> dict[str, tuple]:
         """Lowers and compiles the two programs a training call runs, from the specs alone.
@@ -418,21 +380,11 @@ class Program:
             ``{name: (compiled, seconds)}`` for the forward then the backward program,
             seconds covering trace, lowering and compilation.
         """
+        names = (("forward", "backward_recompute") if recompute
+                 else ("forward_with_residuals", "backward"))
         start = time.perf_counter()
-        if recompute:
-            fwd = self._executable("_forward_exe", lambda: self._compile(
-                self._forward_body, self._avals(self.specs)))
-            mid = time.perf_counter()
-            bwd = self._executable("_backward_re_exe", lambda: self._compile(
-                self._backward_recompute_body, self._avals(self.specs),
-                self._avals(self.out_specs[k] for k in self.diff_out_index)))
-            names = ("forward", "backward_recompute")
-        else:
-            rmap = self.residual_map()
-            fwd = self._executable("_fwd_res_exe", self._compile_forward_with_residuals)
-            mid = time.perf_counter()
-            bwd = self._executable("_backward_exe", lambda: self._compile(
-                self._backward_body, *self._backward_avals(rmap)))
-            names = ("forward_with_residuals", "backward")
+        fwd = self.executable(names[0])
+        mid = time.perf_counter()
+        bwd = self.executable(names[1])
         end = time.perf_counter()
         return {names[0]: (fwd, mid - start), names[1]: (bwd, end - mid)}

@@ -320,11 +320,13 @@ def test_programs_are_compiled_for_the_tensors_device():
     with torch.no_grad():
         m(x)
     f(x).sum().backward()
-    programs = [c.program for owner in (m, f) for c in owner._caller.calls]
-    assert len(programs) == 3 and all(p.device == RIGHT for p in programs)
-    for p in programs:
-        for exe in (p._forward_exe, p._fwd_res_exe, p._backward_exe, p._backward_re_exe):
-            if exe is not None:
-                placed = {d for s in jax.tree_util.tree_leaves(exe.input_shardings)
-                          for d in s.device_set}
-                assert placed == {RIGHT}, (p.name, placed)
+    entries = [e for owner in (m, f) for e in owner._caller.entries]
+    assert len(entries) == 3 and all(e.program.device == RIGHT for e in entries)
+    ran = [(e.program.name, kind, exe) for e in entries for kind, exe in e._executables.items()]
+    assert {kind for _, kind, _ in ran} == {"forward", "forward_with_residuals", "backward",
+                                            "backward_recompute"}
+    for name, kind, exe in ran:  # the executables the calls ran, arguments and results
+        placed = {d for s in jax.tree_util.tree_leaves((exe.input_shardings,
+                                                        exe.output_shardings))
+                  for d in s.device_set}
+        assert placed == {RIGHT}, (name, kind, placed)

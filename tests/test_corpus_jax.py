@@ -72,7 +72,7 @@ def test_checkpoint_policy(policy):
 def _residual_bytes(fn, args):
     wrapped = jax_function(fn)
     wrapped(*[a.requires_grad_() for a in args])
-    (entry,) = wrapped._caller.calls
+    (entry,) = wrapped._caller.entries
     return sum(s.aval.size * s.dtype.itemsize for s in entry.program.residual_map().residual_specs)
 
 
@@ -126,7 +126,7 @@ def by_name(x, mode):
 )
 def test_checkpoint_static_argnums(fn, static):
     checked = check_function(fn, (torch.randn(5), static))
-    assert len(checked.wrapped._caller.calls) == 1  # non-tensor arguments are static
+    assert len(checked.wrapped._caller.entries) == 1  # non-tensor arguments are static
 
 
 @covers("jax.checkpoint", "static_argnames= (default jax config)", result="error",

@@ -93,9 +93,9 @@ def test_to_jax_names_itself_and_the_argument():
 
 
 def test_new_modules_follow_torchs_default_device():
-    assert bridge.default_torch_device() == torch.device("cpu")
+    assert bridge.internal.default_torch_device() == torch.device("cpu")
     with torch.device("meta"):  # JAX shares no memory with it: the CPU instead
-        assert bridge.default_torch_device() == torch.device("cpu")
+        assert bridge.internal.default_torch_device() == torch.device("cpu")
         m = FlaxModule(nn.Dense(3), example_args=(torch.zeros(1, 2, device="cpu"),))
     assert {p.device for p in m.parameters()} == {torch.device("cpu")}
 

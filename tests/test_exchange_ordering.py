@@ -154,7 +154,7 @@ def _steps(log) -> list[str]:
     """The log as kinds: ``torch->jax``, ``run:<program>``, ``jax->torch``, test markers."""
     out = []
     for e in log:
-        if isinstance(e, bridge.OrderingEvent):
+        if isinstance(e, bridge.internal.OrderingEvent):
             out.append(f"run:{e.detail}" if e.kind == "run" else e.kind)
         else:
             out.append(e)
@@ -188,7 +188,7 @@ def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torc
     x.grad = None  # torch then takes the handed-back gradient itself, as for parameters
     forward = "forward" if residuals == "recompute" else "forward_with_residuals"
     backward = "backward_recompute" if residuals == "recompute" else "backward"
-    with bridge.record_ordering() as log:
+    with bridge.internal.record_ordering() as log:
         y = m(x)
         log.append("test: backward")
         y.backward(ct)
@@ -203,7 +203,7 @@ def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torc
         "torch->jax", f"run:{backward}", "jax->torch", "test: optimizer step",
         "torch->jax", "run:forward", "jax->torch", "test: write to the output",
     ]
-    events = [e for e in log if isinstance(e, bridge.OrderingEvent)]
+    events = [e for e in log if isinstance(e, bridge.internal.OrderingEvent)]
     assert all(e.device == torch.device(device) if device == "cpu" else e.device.type == device
                for e in events)
     assert all(e.stream == _stream(device) for e in events)
@@ -223,7 +223,7 @@ def test_the_order_follows_torchs_current_stream(dlpack_route):
     m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
     x = torch.randn(2, 8, device=device)
     side = torch.cuda.Stream() if device == "cuda" else None
-    with bridge.record_ordering() as log, torch.no_grad():
+    with bridge.internal.record_ordering() as log, torch.no_grad():
         if side is None:
             y = m(x)
         else:
@@ -242,7 +242,7 @@ def test_compiled_graph_runs_are_fenced_like_eager_ones(dlpack_route):
     x = torch.randn(2, 8, device=device, requires_grad=True)
     ct = torch.randn(2, 8, device=device)
     compiled(x).backward(ct)  # tracing and compiling, outside the log
-    with bridge.record_ordering() as log:
+    with bridge.internal.record_ordering() as log:
         y = compiled(x)
         log.append("test: backward")
         y.backward(ct)
@@ -256,7 +256,7 @@ def test_the_dlpack_route_holds_parameters_zero_copy():
     try:
         m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),))
         m(torch.randn(2, 8, requires_grad=True)).sum().backward()
-        (call,) = m._caller.calls
+        (call,) = m._caller.entries
         assert call.exchange.dlpack and call.program.fence
         held = {s[5].unsafe_buffer_pointer() for s in m._caller.held._slots}
         assert held == {p.data_ptr() for p in m.parameters()}  # zero-copy, made once

@@ -158,7 +158,7 @@ def test_unaligned_parameter_is_never_held_and_never_stale():
     kernel.data = storage[1:].view(8, 8)  # 4 bytes past an aligned address: JAX copies it
     with torch.no_grad():
         kernel.copy_(torch.randn(8, 8))
-    assert kernel.data_ptr() % bridge.ALIGNMENT != 0
+    assert kernel.data_ptr() % bridge.internal.ALIGNMENT != 0
     _check(m, 0)
     assert _held(m) == []
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_held_arrays_are_one_set_per_module_not_per_signature():
     m = _module()
     for batch in (1, 2, 3, 4):
         m(torch.randn(batch, 8))
-    assert len(m._caller.calls) == 4 and len(_held(m)) == 1
+    assert len(m._caller.entries) == 4 and len(_held(m)) == 1
 
 
 def test_clear_caches_releases_held_arrays():
@@ -205,7 +205,7 @@ def test_clear_caches_releases_held_arrays():
     _check(m, 0)
     assert _held(m)
     m.clear_caches()
-    assert m._caller.calls == [] and _held(m) == []
+    assert m._caller.entries == [] and _held(m) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -226,7 +226,7 @@ def test_dlpack_exchange_mode_matches_pure_jax():
         for seed in range(3):
             _check(m, seed)
             opt.step()
-        assert all(c.exchange.dlpack and c.program.fence for c in m._caller.calls)
+        assert all(c.exchange.dlpack and c.program.fence for c in m._caller.entries)
         (held,) = _held(m)
         assert held.unsafe_buffer_pointer() == m.get_parameter("params.Dense_0.kernel").data_ptr()
     finally:

@@ -177,9 +177,9 @@ def test_flax_module_report_is_what_its_call_holds(model, train, residuals):
     layer.train(train)
     x = torch.randn(16, 8, requires_grad=True)
     report = layer.memory_report(x)
-    compiled = len(layer._caller.calls)
+    compiled = len(layer._caller.entries)
     assert report.held_bytes == _held_by_a_real_call(layer, x), report
-    assert len(layer._caller.calls) == compiled  # the call ran the programs the report built
+    assert len(layer._caller.entries) == compiled  # the call ran the programs the report built
 
 
 def test_train_mode_report_differs_from_eval_where_the_call_does():

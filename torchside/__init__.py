@@ -1,8 +1,12 @@
-"""torch side: the autograd.Function, FlaxModule, jax_function and parity helpers."""
+"""torch side: FlaxModule, jax_function and the parity helpers.
+
+The call pipeline behind them (``_call.py``, NOTE [Call path]) is private.
+"""
 
 from torchside import parity as parity
-from torchside._call import BridgeFunction as BridgeFunction
 from torchside._jax_function import JaxFunction as JaxFunction
 from torchside._jax_function import jax_function as jax_function
 from torchside._module import FlaxModule as FlaxModule
 from torchside._recompile import RecompileWarning as RecompileWarning
+
+__all__ = ["FlaxModule", "JaxFunction", "RecompileWarning", "jax_function", "parity"]

@@ -1,20 +1,63 @@
-"""Building a compiled call for one signature: checks, names and the flaxside programs.
+"""Building one signature's programs, and the errors that name what a call received.
 
-Runs on a cache miss only; nothing here is on the per-call path (see NOTE [Call path]).
+Runs on a cache miss, or on a call that fails before its signature exists; nothing here is
+on the per-call path (NOTE [Call path] in ``_call.py``). ``build`` returns plain parts
+(``Built``); the caller makes its ``Entry`` from them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import torch
 
 import bridge
-from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply, is_differentiable
-from torchside._call import CompiledCall
-from torchside._caller import Signature
+import bridge.internal as bi
+from flaxside.internal import (
+    ARRAY,
+    LeafSpec,
+    Program,
+    flat_apply,
+    internal_assert,
+    is_differentiable,
+)
 
 jtu = jax.tree_util
+
+
+class Built(NamedTuple):
+    """What ``build`` makes for one signature.
+
+    Attributes:
+        program: the ``flaxside`` programs, compiled for the call's device.
+        names: a name per leaf: the variables, ``rngs`` where the owner has RNG streams,
+            then the arguments (``args[0]``, ``kwargs['mask']``).
+        n_vars: how many leaves are the owner's variables.
+        n_state: ``n_vars`` plus the RNG leaf.
+        device: the torch device the call runs on.
+        narrow: leaf indices of int64 arguments that cross as int32.
+        unpack: how the gradients of small leaves are viewed out of their packed buffers
+            (``grad_unpacker``), or ``None`` where none is packed.
+    """
+
+    program: Program
+    names: tuple[str, ...]
+    n_vars: int
+    n_state: int
+    device: torch.device
+    narrow: tuple[int, ...]
+    unpack: tuple | None
+
+
+def for_owner(error: Exception, where: str) -> Exception:
+    """The same error, its message naming the owner the user called (``FlaxModule(Block)``).
+
+    The one place where errors that bridge raises about a call's tensors (a dtype or device
+    JAX cannot hold, an int64 value beyond int32) are re-raised for the user.
+    """
+    return type(error)(f"{where}: {error}")
 
 
 def arg_names(treedef) -> list[str]:
@@ -43,13 +86,9 @@ def unhashable_static(leaves, treedef, where: str) -> TypeError:
     return TypeError(f"{where}: an argument is not hashable.")
 
 
-def check_tensors(tensors, names, device: torch.device, where: str,
-                  has_parameters: bool = True) -> tuple:
-    """Checks dtypes and devices and returns the numpy dtypes JAX will see.
-
-    ``device`` is the variables' device, or without variables the first tensor's.
-    """
-    out = []
+def check_devices(tensors, names, device: torch.device, where: str,
+                  has_parameters: bool = True) -> None:
+    """Refuses a tensor on another device than ``device`` (the variables' or first's)."""
     for t, name in zip(tensors, names, strict=True):
         if t.device != device:
             if has_parameters:
@@ -61,8 +100,15 @@ def check_tensors(tensors, names, device: torch.device, where: str,
             raise ValueError(
                 f"{where}: argument {name} is on {t.device}, but {what} on {device}. {fix}"
             )
-        out.append(bridge.numpy_dtype(t.dtype, name=name))
-    return tuple(out)
+
+
+def numpy_dtypes(tensors, names, where: str) -> tuple:
+    """The numpy dtype JAX sees for each tensor; refuses one JAX cannot hold."""
+    try:
+        return tuple(bridge.numpy_dtype(t.dtype, name=n)
+                     for t, n in zip(tensors, names, strict=True))
+    except TypeError as e:
+        raise for_owner(e, where) from None
 
 
 def jax_device_for(device: torch.device, name: str, where: str):
@@ -70,7 +116,23 @@ def jax_device_for(device: torch.device, name: str, where: str):
     try:
         return bridge.jax_device(device, name=name)
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise for_owner(e, where) from None
+
+
+def explain_state_error(settings, variables, tensors, treedef, statics, device) -> None:
+    """Raises the error naming the argument, for a call that failed before its signature.
+
+    A variable on another device than the first, a dtype JAX cannot hold, or a device JAX
+    shares no memory with; returns if none of those is the cause.
+    """
+    where, names = settings.where, settings.var_names
+    check_devices(variables, names, device, where)
+    numpy_dtypes(variables, names, where)
+    if variables:
+        lead = names[0]
+    else:
+        lead = next(n for n, s in zip(arg_names(treedef), statics, strict=True) if s is ARRAY)
+    jax_device_for(device, lead, where)
 
 
 def check_output_dtypes(program: Program, where: str) -> None:
@@ -90,13 +152,10 @@ def check_output_dtypes(program: Program, where: str) -> None:
 
 def _check_updates(program: Program, specs, names, where: str) -> None:
     """The state a call writes back must fit the buffers it replaces (before anything runs)."""
-    targets = program.static.targets
+    targets = program.write_back.targets
     updates = program.out_specs[program.n_out :]
-    if len(targets) != len(updates):
-        raise AssertionError(
-            f"flaxtorch internal error: {where} returns {len(updates)} state updates for "
-            f"{len(targets)} targets. This is a bug in flaxtorch; please report it."
-        )
+    internal_assert(len(targets) == len(updates),
+                    f"{where} returns {len(updates)} state updates for {len(targets)} targets")
     for i, u in zip(targets, updates, strict=True):
         if (u.shape, u.dtype) != (specs[i].shape, specs[i].dtype):
             raise TypeError(
@@ -107,71 +166,85 @@ def _check_updates(program: Program, specs, names, where: str) -> None:
             )
 
 
-def build_call(caller, sig: Signature, values, key: int) -> CompiledCall:
-    """Compiles the programs for one signature (the caller caches the result).
+def build(settings, sig, values, monitor) -> Built:
+    """Compiles the programs for one signature.
 
-    Reads only the signature (shapes, dtypes, devices, grad flags), so a call evicted from
-    the cache can be rebuilt from it.
+    Reads only the signature (shapes, dtypes, devices, grad flags) besides the static
+    ``values``, so an entry evicted from the cache can be rebuilt from it.
 
     Args:
-        caller: the ``Caller`` (its owner, boundary mode and held arrays).
-        sig: the call's signature.
+        settings: the owner's ``Settings``.
+        sig: the call's ``Signature``.
         values: every leaf of ``(args, kwargs)``; the static ones are baked in.
-        key: the call's number inside the caller.
+        monitor: the owner's ``RecompileMonitor``, told about the new signature.
     """
-    owner, where = caller.owner, caller.where
+    where = settings.where
     n_vars = len(sig.variables)
-    names = list(owner.var_names)
+    names = list(settings.var_names)
     metas = [m[:3] for m in sig.variables]
     grads = [m[3] for m in sig.variables]
     device = metas[0][2] if metas else (sig.arrays[0][2] if sig.arrays
                                         else torch.device("cpu"))
-    if owner.rng_shape is not None:
+    if settings.rng_shape is not None:
         names.append("rngs")
-        metas.append((owner.rng_shape, torch.int32, device))
+        metas.append((settings.rng_shape, torch.int32, device))
         grads.append(False)
     n_state = len(names)
     arg_slot_names = [n for n, s in zip(arg_names(sig.args), sig.statics, strict=True)
                       if s is ARRAY]
     names += arg_slot_names
     # int64 arguments (token ids, masks) cross as int32 while JAX runs 32-bit, each value
-    # checked at every call (bridge.narrow_to_int32); the program sees int32.
-    narrow = tuple(n_state + k for k, m in enumerate(sig.arrays)
-                   if bridge.narrows_to_int32(m[1]))
+    # checked at every call (bridge.internal.narrow_to_int32); the program sees int32.
+    narrow = tuple(n_state + k for k, m in enumerate(sig.arrays) if bi.narrows_to_int32(m[1]))
     metas += [(m[0], torch.int32 if n_state + k in narrow else m[1], m[2])
               for k, m in enumerate(sig.arrays)]
     grads += [m[3] for m in sig.arrays]
     try:
-        checked = check_tensors(
-            [_Meta(*m) for m in metas[:n_vars] + metas[n_state:]],
-            names[:n_vars] + names[n_state:], device, where, has_parameters=n_vars > 0)
-        np_dtypes = (checked[:n_vars] + (np.dtype("int32"),) * (n_state - n_vars)
-                     + checked[n_vars:])
+        checked = [_Meta(*m) for m in metas[:n_vars] + metas[n_state:]]
+        checked_names = names[:n_vars] + names[n_state:]
+        check_devices(checked, checked_names, device, where, has_parameters=n_vars > 0)
+        dtypes = numpy_dtypes(checked, checked_names, where)
+        np_dtypes = dtypes[:n_vars] + (np.dtype("int32"),) * (n_state - n_vars) + dtypes[n_vars:]
         jax_device = jax_device_for(device, names[0] if names else "input", where)
         specs = [LeafSpec(tuple(shape), dt, bool(g) and is_differentiable(dt))
                  for (shape, _, _), dt, g in zip(metas, np_dtypes, grads, strict=True)]
         slots = tuple(ARRAY if s is ARRAY else v
                       for s, v in zip(sig.statics, values, strict=True))
-        fn = flat_apply(owner.make_apply(sig.mode), owner.state_treedef, sig.args, slots)
+        fn = flat_apply(settings.make_apply(sig.mode), settings.state_treedef, sig.args, slots)
         program = Program(fn, specs, name=where, fence=sig.exchange.dlpack, device=jax_device)
         check_output_dtypes(program, where)
         _check_updates(program, specs, names, where)
     except Exception as e:
-        if hasattr(e, "add_note"):  # Python 3.11+: keep the type, add what we received
-            shapes = ", ".join(f"{n}: {d}{list(shape)}"
-                               for n, (shape, d, *_) in zip(arg_slot_names, sig.arrays,
-                                                            strict=True))
-            e.add_note(f"{where} was called with {shapes or 'no tensors'}.")
+        shapes = ", ".join(f"{n}: {d}{list(shape)}"
+                           for n, (shape, d, *_) in zip(arg_slot_names, sig.arrays, strict=True))
+        e.add_note(f"{where} was called with {shapes or 'no tensors'}.")  # type kept
         raise
-    record_signature(caller._recompiles, sig, arg_slot_names, values)
-    return CompiledCall(program, sig.exchange, caller.held,
-                        recompute=caller.residuals == "recompute", n_vars=n_vars,
-                        n_state=n_state, names=tuple(names), device=device, key=key,
-                        narrow=narrow)
+    _record(monitor, sig, arg_slot_names, values)
+    return Built(program, tuple(names), n_vars, n_state, device, narrow,
+                 grad_unpacker(program.grad_pack, program.specs, program.diff_index))
+
+
+def grad_unpacker(placement, specs, diff_index):
+    """What ``Entry.gradients`` needs to view packed gradients; ``None`` when none are."""
+    if all(entry[0] == "alone" for entry in placement):
+        return None
+    alone, groups = [], {}
+    for p, entry in enumerate(placement):
+        if entry[0] == "alone":
+            alone.append((p, entry[1]))
+        else:
+            group = groups.setdefault(entry[1], ([], []))
+            group[0].append(p)
+            # Shapes only: meta tensors stand for the views' sizes.
+            group[1].append(torch.empty(specs[diff_index[p]].shape, device="meta"))
+    return (tuple(alone), tuple((b, tuple(ps), ts) for b, (ps, ts) in groups.items()),
+            len(placement))
+
+
 
 
 class _Meta:
-    """Tensor metadata standing in for a tensor in ``check_tensors``."""
+    """Tensor metadata standing in for a tensor in the checks."""
 
     __slots__ = ("shape", "dtype", "device")
 
@@ -179,7 +252,7 @@ class _Meta:
         self.shape, self.dtype, self.device = shape, dtype, device
 
 
-def record_signature(monitor, sig: Signature, names, values) -> None:
+def _record(monitor, sig, names, values) -> None:
     """Tells the recompile monitor about a new signature, with readable names."""
     if monitor.done:
         return
@@ -195,4 +268,3 @@ def record_signature(monitor, sig: Signature, names, values) -> None:
          ("train/eval mode", sig.mode),
          ("jax_enable_x64", sig.x64)],
     )
-

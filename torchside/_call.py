@@ -1,342 +1,305 @@
-"""One compiled call inside torch autograd: forward, saved tensors, backward, gradients.
+"""The call pipeline: one call of an owner (``FlaxModule``, ``jax_function``), eager or compiled.
 
-Step 4 and 5 of NOTE [Call path] (``_caller.py``): ``CompiledCall`` runs a signature's
-programs, ``save_for_backward`` and ``scatter_grads`` are shared by ``BridgeFunction``
-(eager) and the ``torch.compile`` ops (``_compile.py``).
+NOTE [Call path]. An owner hands its ``Caller`` what it fixes at construction
+(``Settings``); a call passes only what changes, and the owner's ``write_back``:
+
+    caller(variables, args, kwargs, mode, write_back) -> outputs
+
+1. ``split_args``: the tensor leaves, the structure, a key per static value.
+2. ``Caller.prepare``: the variables' held arrays (``bridge.internal.HeldArrays``), the
+   ``Signature``, its ``Entry`` from the LRU cache (built on a miss, ``_build.build``), and
+   the RNG leaf, drawn from torch's generator only if the entry's programs read it.
+3. The edge, the one step where eager and compiled calls differ: eagerly
+   ``BridgeFunction`` (no autograd at all when nothing needs a gradient); under
+   ``torch.compile`` the ``flaxtorch::forward`` op (``_compile.py``), whose implementation
+   is steps 2 and 4 again.
+4. ``Entry.forward`` (``_entry.py``): views of the arguments, the entry's executable
+   through the exchange's ``run`` (NOTE [Exchange] in ``bridge/_exchange.py``);
+   ``save_for_backward`` keeps what the backward reads, so that torch's saved-tensor hooks
+   and version counters see it.
+5. ``write_back(entry.write_back, updates)``: the owner copies updated state into its
+   buffers (and, for NNX, takes the graph the call left).
+
+Backward: ``Entry.backward`` views what was saved (held arrays reused) and runs the
+backward program through the exchange; ``Entry.gradients`` hands each leaf its gradient (a
+view of a packed buffer), ``None`` where no used output depends on it.
+
+A cached forward and backward of a ``FlaxModule`` runs code of four files: ``_module.py``,
+this one, ``_entry.py`` and ``bridge/_exchange.py``; ``flaxside`` compiles the programs at
+their first use and is not called again.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import struct
+import threading
 import weakref
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
+import jax
 import torch
 
-import bridge
+from bridge.internal import HeldArrays, exchange_for
+from flaxside.internal import ARRAY
+from torchside import _build
+from torchside._entry import Entry, apply_bridge, under_torch_func
+from torchside._options import check_choice, check_positive_int
+from torchside._recompile import RecompileMonitor
+
+jtu = jax.tree_util
+
+RESIDUAL_MODES = ("save", "recompute")
+_CPU = torch.device("cpu")
+
+# Callers by compile id, for torch.compile's ops, which carry only ints and strings. Weak:
+# nothing here outlives its owner.
+CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_caller_ids = itertools.count(1)
 
 
-class CompiledCall:
-    """What one signature's calls need, fixed when it is built (see ``_build.build_call``).
+class Settings(NamedTuple):
+    """What an owner fixes once, at construction.
 
     Attributes:
-        program: the ``flaxside`` programs.
-        exchange: how tensors cross (``bridge.exchange_for``).
-        held: the owner's ``HeldArrays`` (variables are read through them).
-        recompute: ``residuals="recompute"``.
-        n_vars: variable leaves; the rng leaf follows them when ``has_rng``.
-        n_state: ``n_vars`` plus the rng leaf.
-        rng_used: whether the program reads the rng leaf (else no key is drawn).
-        write_back: ``WriteBack``: the variables the aux results replace, the graph after.
-        nondiff_out: results torch must treat as non-differentiable (ints, aux, outputs
-            that depend on no differentiated leaf).
-        grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
-        names: a name per leaf, for messages.
-        key: a small int naming this call inside its caller (``torch.compile`` ops).
-        narrow: indices of the int64 argument leaves that cross as int32 (JAX runs
-            32-bit): checked in the forward, converted again unchecked in the backward.
+        where: the owner's name for messages (``FlaxModule(Block)``).
+        state_treedef: treedef of ``(variables, raw rng keys or None)``; its leaves are the
+            variable tensors, then the rng leaf.
+        var_names: a name per variable leaf (``params.Dense_0.kernel``).
+        make_apply: ``make_apply(mode) -> apply``; ``apply(state, *args, **kwargs)``
+            returns ``(outputs, updates, flaxside.internal.WriteBack)``.
+        rng_shape: shape of the int32 raw key data drawn per call from torch's generator,
+            or ``None`` without RNG streams.
     """
 
-    __slots__ = ("program", "exchange", "held", "recompute", "n_vars", "n_state", "rng_used",
-                 "write_back", "n_out", "n_results", "nondiff_out", "grad_slots", "names",
-                 "device", "key", "narrow", "_zero_cots", "_unreached", "_rng_zeros",
-                 "_unpack")
+    where: str
+    state_treedef: Any
+    var_names: tuple[str, ...]
+    make_apply: Callable
+    rng_shape: tuple[int, ...] | None = None
 
-    def __init__(self, program, exchange, held, *, recompute: bool, n_vars: int, n_state: int,
-                 names: tuple, device: torch.device, key: int, narrow: tuple = ()):
-        self.program = program
-        self.exchange = exchange
-        self.held = held
-        self.recompute = recompute
-        self.n_vars = n_vars
-        self.n_state = n_state
-        self.rng_used = n_state > n_vars and program.reads[n_vars]
-        self.write_back = program.static
-        self.n_out = program.n_out
-        self.n_results = len(program.out_specs)
-        self.nondiff_out = tuple(k for k, s in enumerate(program.out_specs) if not s.diff)
-        self.grad_slots = program.diff_index
-        self.names = names
-        self.device = device
-        self.key = key
-        self.narrow = frozenset(narrow)
-        self._zero_cots: dict[int, Any] = {}
-        self._unreached: dict[tuple, frozenset] = {}
-        self._rng_zeros = None
-        self._unpack = _grad_unpacker(program.grad_pack, program.specs, program.diff_index)
 
-    # -- forward -------------------------------------------------------------------------
-    def rng(self, shape) -> torch.Tensor:
-        """The rng leaf: fresh key data from torch's generator if the program reads it.
+class Signature(NamedTuple):
+    """Everything an entry depends on; calls with equal signatures share one."""
 
-        From torch's default generator: ``torch.manual_seed`` reproduces a run, and
-        ``torch.utils.checkpoint``'s RNG-state replay reproduces the key on recompute. An
-        eval-mode forward that uses no stream draws nothing (validation does not shift the
-        training stream).
+    args: Any  # treedef of (args, kwargs)
+    statics: tuple  # per leaf: ARRAY, or a key of the static value (static_key)
+    arrays: tuple  # per tensor argument: (shape, dtype, device, needs grad)
+    variables: tuple  # per variable leaf: (shape, dtype, device, needs grad)
+    mode: Hashable  # the owner's mode (train/eval, the NNX graph)
+    x64: bool
+    exchange: Any  # bridge's exchange: device and route
+
+
+def static_key(value) -> tuple:
+    """A key that tells apart static values that compute differently.
+
+    ``0.0 == -0.0`` and ``1 == 1.0 == True`` but they compute differently, and ``nan !=
+    nan`` would never find its own program: floats are keyed by their bits, all by type.
+    """
+    if isinstance(value, float):
+        return (float, struct.pack("<d", value))
+    if isinstance(value, complex):
+        return (complex, struct.pack("<dd", value.real, value.imag))
+    tobytes = getattr(value, "tobytes", None)  # numpy scalars
+    if tobytes is not None and getattr(value, "ndim", None) == 0:
+        return (type(value), tobytes())
+    return (type(value), value)
+
+
+def split_args(args: tuple, kwargs: dict, where: str):
+    """``(tensors, treedef, statics, values)`` of a call's arguments (step 1).
+
+    ``statics`` per leaf ``ARRAY`` or the key of a static value, ``values`` every leaf.
+
+    Raises:
+        TypeError: a non-tensor leaf is unhashable, so it cannot be part of a compile key.
+    """
+    leaves, treedef = jtu.tree_flatten((args, kwargs))
+    tensors, statics = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            statics.append(ARRAY)
+        else:
+            statics.append(static_key(leaf))
+    statics = tuple(statics)
+    try:
+        hash(statics)
+    except TypeError:
+        raise _build.unhashable_static(leaves, treedef, where) from None
+    return tensors, treedef, statics, leaves
+
+
+class Caller:
+    """An owner's entries (an LRU cache of compiled signatures), held arrays and calls.
+
+    Args:
+        settings: what the owner fixes at construction.
+        residuals: the boundary mode, ``"save"`` or ``"recompute"``.
+        cache_size: how many signatures keep their entries (LRU).
+        recompile_warning: warn once (``RecompileWarning``) after this many distinct
+            signatures, naming what changes; ``None`` never warns.
+
+    A caller pickles (and deep-copies) as its configuration only: entries, held arrays and
+    locks are rebuilt on first use.
+    """
+
+    _CONFIG = ("settings", "where", "residuals", "cache_size", "recompile_warning")
+
+    def __init__(self, settings: Settings, *, residuals: str = "save", cache_size: int = 32,
+                 recompile_warning: int | None = 8):
+        where = settings.where
+        self.settings = settings
+        self.where = where
+        self.residuals = check_choice(
+            residuals, RESIDUAL_MODES, option="residuals", where=where,
+            meaning="Use 'save' to hold what the remat policy keeps, or 'recompute' to hold "
+                    "only the inputs.")
+        self.cache_size = check_positive_int(
+            cache_size, option="cache_size", where=where,
+            meaning="how many call signatures keep their compiled programs")
+        self.recompile_warning = recompile_warning
+        self.__setstate__({})
+
+    def __getstate__(self):
+        return {k: self.__dict__[k] for k in self._CONFIG}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.monitor = RecompileMonitor(self.recompile_warning, self.where)
+        self._cache: collections.OrderedDict[Signature, Entry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        self._by_key: dict[int, Signature] = {}  # torch.compile's graphs name entries by key
+        self.held = HeldArrays()
+        self._var_keys: dict = {}
+        self.compile_id = next(_caller_ids)
+        CALLERS[self.compile_id] = self
+
+    def clear(self) -> None:
+        """Drops every entry and held array; the next call compiles again."""
+        with self._lock:
+            self._cache.clear()
+            self.held.clear()
+            self._var_keys = {}
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The cached entries, oldest first."""
+        return list(self._cache.values())
+
+    def lookup(self, sig: Signature, values, remember: bool = False) -> Entry:
+        """The entry for ``sig``, built on a miss (``values``: the leaves of the arguments).
+
+        ``remember`` keeps the signature by the entry's key, for compiled graphs that
+        name the entry by key (``entry(key)``).
         """
-        if self.rng_used:
-            return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32,
-                                 device=self.device)
-        if self._rng_zeros is None:
-            self._rng_zeros = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        return self._rng_zeros
+        entry = self._cache.get(sig)
+        if entry is not None:
+            try:
+                self._cache.move_to_end(sig)  # LRU
+            except KeyError:  # evicted by another thread just now
+                pass
+        else:
+            built = _build.build(self.settings, sig, values, self.monitor)
+            entry = Entry(built, sig.exchange, self.residuals == "recompute", next(self._keys))
+            with self._lock:
+                self._cache[sig] = entry
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        if remember:
+            self._by_key[entry.key] = sig
+        return entry
 
-    def arrays(self, head: list, leaves) -> list:
-        """The program's arrays: ``head`` (the state's) then views of the arguments."""
-        view = self.exchange.view
-        if not self.narrow:
-            return head + [view(t) for t in leaves[self.n_state :]]
-        return head + [view(self.narrowed(j, t) if j in self.narrow else t)
-                       for j, t in enumerate(leaves[self.n_state :], self.n_state)]
+    def entry(self, key: int) -> Entry:
+        """The entry numbered ``key`` (a compiled graph's), rebuilt if it was evicted."""
+        sig = self._by_key[key]
+        entry = self._cache.get(sig)
+        return entry if entry is not None and entry.key == key else self.lookup(
+            sig, [None] * len(sig.statics))
 
-    def narrowed(self, j: int, tensor: torch.Tensor, check: bool = True) -> torch.Tensor:
-        """Argument leaf ``j`` (int64) as int32; raises naming it if a value does not fit."""
-        try:
-            return bridge.narrow_to_int32(tensor, name=self.names[j], check=check)
-        except TypeError as e:
-            raise TypeError(f"{self.program.name}: {e}") from None
+    def signature(self, variables, tensors, treedef, statics, mode, grads, var_grads,
+                  exchange, cached: bool = True) -> Signature:
+        """The signature of a call.
 
-    def run(self, head: list, leaves) -> list[torch.Tensor]:
-        """Forward without autograd: nothing is computed or held for a backward."""
-        return self.exchange.run(self.program.forward, self.arrays(head, leaves))[1]
-
-    def forward(self, head: list, leaves) -> tuple[list, list, list]:
-        """Forward for autograd: ``(results, residual tensors, JAX arrays kept for reuse)``."""
-        exchange = self.exchange
-        arrays = self.arrays(head, leaves)
-        if self.recompute:
-            return exchange.run(self.program.forward, arrays)[1], [], []
-        out, tensors = exchange.run(self.program.forward_with_residuals, arrays)
-        n = self.n_results
-        kept = [out[k] for k in self.program.residual_map().saved_outputs] + list(out[n:])
-        return tensors[:n], tensors[n:], kept
-
-    def held_besides_residuals(self) -> list:
-        """What a call saves for the backward besides the program's residuals, as specs.
-
-        Besides the owner's variables, the call's arguments and its outputs too (see
-        ``save_for_backward``): a drawn RNG key, copies of written-back state, saved state
-        updates.
+        ``grads`` / ``var_grads``: per argument / variable whether it needs a gradient;
+        ``var_grads=None`` takes each variable's ``requires_grad`` under the grad mode. The
+        variables' part is cached per grad mode (or flags) until one of them changes.
         """
-        program = self.program
-        rng = [program.specs[self.n_vars]] if self.n_state > self.n_vars else []
-        if self.recompute:
-            # Every leaf is saved (the RNG leaf too), written-back state as a clone.
-            return [program.specs[i] for i in self.write_back.targets] + rng
-        rmap = program.residual_map()
-        return ([s for s in rng if self.n_vars in rmap.saved_inputs]
-                + [program.out_specs[k] for k in rmap.saved_outputs if k >= self.n_out])
+        flags = torch.is_grad_enabled() if var_grads is None else var_grads
+        key = self._var_keys.get(flags) if cached else None
+        if key is None:
+            if var_grads is None:
+                key = tuple((t.shape, t.dtype, t.device, flags and t.requires_grad)
+                            for t in variables)
+            else:
+                key = tuple((t.shape, t.dtype, t.device, g)
+                            for t, g in zip(variables, var_grads, strict=True))
+            if cached:
+                self._var_keys[flags] = key
+        return Signature(treedef, statics,
+                         tuple((t.shape, t.dtype, t.device, g)
+                               for t, g in zip(tensors, grads, strict=True)),
+                         key, mode, jax.config.jax_enable_x64, exchange)
 
-    # -- backward ------------------------------------------------------------------------
-    def zero_cotangent(self, k: int):
-        """The cotangent of output ``k`` when torch has none, made once (JAX never writes it)."""
-        zero = self._zero_cots.get(k)
-        if zero is None:
-            spec = self.program.out_specs[k]
-            zero = self.exchange.view(torch.zeros(
-                spec.shape, dtype=bridge.torch_dtype(spec.dtype), device=self.device))
-            self._zero_cots[k] = zero
-        return zero
-
-    def unreached(self, used: tuple[bool, ...]) -> frozenset:
-        """Gradient positions that no used output depends on: torch gives them ``None``."""
-        none = self._unreached.get(used)
-        if none is None:
-            reach = 0
-            for mask, u in zip(self.program.grad_reach, used, strict=True):
-                if u:
-                    reach |= mask
-            none = frozenset(p for p in range(len(self.grad_slots)) if not reach >> p & 1)
-            self._unreached[used] = none
-        return none
-
-    def saved_arrays(self, saved, kept) -> list:
-        """Arrays for what ``save_for_backward`` kept (see there), reusing what is unchanged."""
-        exchange, held, n_vars, narrow = self.exchange, self.held, self.n_vars, self.narrow
-
-        def view(j, t):
-            if j < n_vars:
-                return held.get(j, t, exchange)
-            # Saved as given (int64); its values were checked by the forward, and torch's
-            # version counter refuses an in-place change in between.
-            return exchange.view(self.narrowed(j, t, check=False) if j in narrow else t)
-
-        if self.recompute:
-            return [view(j, t) for j, t in enumerate(saved)]
-        rmap = self.program.residual_map()
-        n_in = len(rmap.saved_inputs)
-        arrays = [view(j, t) for j, t in zip(rmap.saved_inputs, saved[:n_in], strict=True)]
-        if kept is None:
-            return arrays + [exchange.view(t) for t in saved[n_in:]]
-        for t, k in zip(saved[n_in:], kept, strict=True):
-            array = None if k is None else k[0]()
-            # The array the forward made, unless a saved-tensor hook replaced the tensor.
-            arrays.append(array if array is not None and t.data_ptr() == k[1]
-                          else exchange.view(t))
-        return arrays
-
-    def unpack_grads(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per differentiated leaf its gradient: views into the packed buffers.
-
-        Views of one buffer share its memory. torch's ``AccumulateGrad`` takes each view as
-        the parameter's ``.grad`` without a copy; an in-place accumulation then writes only
-        the view's own elements.
-        """
-        unpack = self._unpack
-        if unpack is None:
-            return buffers
-        alone, groups, n = unpack
-        out = [None] * n
-        for p, b in alone:
-            out[p] = buffers[b]
-        for b, positions, templates in groups:
-            for p, g in zip(positions, _unflatten(buffers[b], templates), strict=True):
-                out[p] = g
-        return out
-
-    def backward(self, saved, kept, cots) -> list[torch.Tensor]:
-        """Gradient buffers (``program.grad_pack``) from what was saved.
+    def prepare(self, variables, tensors, treedef, statics, values, mode, grads,
+                var_grads=None, remember: bool = False):
+        """Step 2 of NOTE [Call path]: ``(entry, state arrays, leaves)`` of one call.
 
         Args:
-            saved: what ``save_for_backward`` saved, as torch unpacked it.
-            kept: ``ctx.kept`` (arrays to reuse), or ``None``.
-            cots: per differentiable output (``diff_out_index``), its cotangent or ``None``.
+            variables: the owner's variable tensors.
+            tensors: the tensor arguments.
+            treedef: the structure of ``(args, kwargs)`` (``split_args``).
+            statics: per leaf ``ARRAY`` or a static value's key (``split_args``).
+            values: every leaf of ``(args, kwargs)`` (``split_args``).
+            mode: the owner's mode.
+            grads: per tensor argument, whether it needs a gradient.
+            var_grads: per variable, whether it may need one (``None``: grad mode).
+            remember: see ``lookup``.
+
+        Returns:
+            The entry, the arrays of the state leaves (variables, then the RNG leaf), and
+            every leaf (variables, the RNG leaf, the arguments).
         """
-        program, exchange = self.program, self.exchange
-        cots = [self.zero_cotangent(k) if g is None else exchange.view(g)
-                for k, g in zip(program.diff_out_index, cots, strict=True)]
-        arrays = self.saved_arrays(saved, kept)
-        if self.recompute:
-            return exchange.run(program.backward_recompute, arrays, cots)[1]
-        rmap = program.residual_map()
-        a = len(rmap.saved_inputs)
-        b = a + len(rmap.saved_outputs)
-        return exchange.run(program.backward, arrays[:a], arrays[a:b], arrays[b:], cots)[1]
+        lead = variables[0] if variables else (tensors[0] if tensors else None)
+        device = lead.device if lead is not None else _CPU
+        try:
+            exchange = exchange_for(device)
+            arrays, changed = self.held.arrays(variables, exchange, var_grads)
+        except Exception:
+            _build.explain_state_error(self.settings, variables, tensors, treedef, statics,
+                                       device)
+            raise
+        if changed:
+            self._var_keys = {}
+        sig = self.signature(variables, tensors, treedef, statics, mode, grads, var_grads,
+                             exchange)
+        entry = self.lookup(sig, values, remember)
+        leaves = list(variables)
+        if entry.n_state > entry.n_vars:
+            rng = entry.rng(self.settings.rng_shape)
+            leaves.append(rng)
+            arrays.append(exchange.view(rng))
+        leaves += tensors
+        return entry, arrays, leaves
 
-
-def save_for_backward(ctx, call: CompiledCall, leaves, results, residuals, kept=None) -> None:
-    """Saves what the backward of ``call`` needs; shared by eager and ``torch.compile`` calls.
-
-    ``ctx.save_for_backward`` makes torch's saved-tensor hooks, ``save_on_cpu`` and
-    non-reentrant checkpointing see exactly what is held, and in-place writes to anything
-    the backward reads raise torch's version-counter error. ``kept`` are the JAX arrays
-    behind the saved results and residuals; only weak references are kept, so a hook that
-    moves or drops a tensor frees its memory as usual (``None``: nothing to reuse).
-    """
-    if call.recompute:
-        # State the owner writes back in place after this forward (batch statistics,
-        # counters) is saved as it was, so the recompute sees the forward's values.
-        targets = set(call.write_back.targets)
-        ctx.save_for_backward(*(t.clone() if i in targets else t for i, t in enumerate(leaves)))
-        ctx.kept = None
-        return
-    rmap = call.program.residual_map()
-    ctx.save_for_backward(*(leaves[j] for j in rmap.saved_inputs),
-                          *(results[k] for k in rmap.saved_outputs), *residuals)
-    if kept is None:
-        ctx.kept = None
-        return
-    # Offloaded residuals live in host memory, which the backward program does not take.
-    skip = (False,) * len(rmap.saved_outputs) + rmap.offloaded
-    ctx.kept = tuple(None if off else (weakref.ref(a), a.unsafe_buffer_pointer())
-                     for a, off in zip(kept, skip, strict=True))
-
-
-def scatter_grads(call: CompiledCall, grads: list, cots) -> list:
-    """Gradients per leaf: the program's in their slots, ``None`` elsewhere.
-
-    ``cots`` are the cotangents torch passed (per differentiable output, ``None`` for an
-    output nobody used). A leaf that no used output depends on gets ``None``, as torch
-    gives it: optimizers such as AdamW then leave it alone (a zero would move it through
-    momentum and decay).
-    """
-    out = [None] * (len(call.names))
-    used = tuple(c is not None for c in cots)
-    none = call.unreached(used) if not all(used) else ()
-    for p, (slot, g) in enumerate(zip(call.grad_slots, grads, strict=True)):
-        if p not in none:
-            out[slot] = g
-    return out
-
-
-def _grad_unpacker(placement, specs, diff_index):
-    """What ``CompiledCall.unpack_grads`` needs, fixed once; ``None`` when nothing is packed."""
-    if all(entry[0] == "alone" for entry in placement):
-        return None
-    alone, groups = [], {}
-    for p, entry in enumerate(placement):
-        if entry[0] == "alone":
-            alone.append((p, entry[1]))
+    def __call__(self, variables: list, args: tuple, kwargs: dict, mode: Hashable = None,
+                 write_back: Callable | None = None):
+        """Runs one eager call (NOTE [Call path]); returns the outputs' pytree."""
+        if torch._C._are_functorch_transforms_active():
+            raise under_torch_func(self.where)
+        tensors, treedef, statics, values = split_args(args, kwargs, self.where)
+        grad = torch.is_grad_enabled()
+        entry, arrays, leaves = self.prepare(variables, tensors, treedef, statics, values,
+                                             mode, tuple(grad and t.requires_grad
+                                                         for t in tensors))
+        if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
+            results = apply_bridge(entry, self.held, arrays, *leaves)
         else:
-            group = groups.setdefault(entry[1], ([], []))
-            group[0].append(p)
-            # Shapes only: meta tensors stand for the views' sizes.
-            group[1].append(torch.empty(specs[diff_index[p]].shape, device="meta"))
-    return (tuple(alone), tuple((b, tuple(ps), ts) for b, (ps, ts) in groups.items()),
-            len(placement))
-
-
-def _unflatten(buffer: torch.Tensor, templates: list) -> list[torch.Tensor]:
-    """Views of ``buffer``, one per template's shape, in order (one C++ call)."""
-    return torch._C._nn.unflatten_dense_tensors(buffer, templates)
-
-
-class BridgeFunction(torch.autograd.Function):
-    """``apply(call, head, *leaves) -> results``: one compiled call inside torch autograd.
-
-    ``head`` holds the arrays of the state leaves (held ones for variables). The backward
-    is differentiable once: with ``create_graph=True`` it raises (see ``backward``) rather
-    than hand torch gradients without a graph.
-    """
-
-    @staticmethod
-    def forward(ctx, call: CompiledCall, head: list, *leaves: torch.Tensor):
-        results, residuals, kept = call.forward(head, leaves)
-        ctx.mark_non_differentiable(*(results[k] for k in call.nondiff_out))
-        # Unused outputs get no gradient. Materialised, each would be a zero tensor
-        # allocated per backward (README: "Per-call cost").
-        ctx.set_materialize_grads(False)
-        save_for_backward(ctx, call, leaves, results, residuals, kept)
-        ctx.call = call
-        return tuple(results)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            if any(_functorch_wrapped(g) for g in grads):  # torch.func.grad runs us so
-                raise under_torch_func(ctx.call.program.name)
-            # create_graph=True: torch would differentiate these gradients again, through a
-            # compiled JAX VJP it cannot see into. Refuse now. A lazy refusal (torch's
-            # once_differentiable) hangs its error node on fresh leaves, off the path to the
-            # parameters: autograd.grad(loss_with_gradient_penalty, params) never reaches it
-            # and silently drops the penalty's gradient.
-            raise NotImplementedError(
-                f"{ctx.call.program.name}: backward with create_graph=True (a gradient "
-                f"penalty, a Hessian-vector product, MAML) needs the second derivative of "
-                f"this call, which is not implemented: its backward is a compiled JAX VJP "
-                f"that torch cannot differentiate. Compute the higher-order term inside JAX "
-                f"(e.g. a jax_function that returns jax.grad of the inner loss, so torch "
-                f"needs only its first derivative), or differentiate without create_graph."
-            )
-        call = ctx.call
-        cots = [grads[k] for k in call.program.diff_out_index]
-        return (None, None, *scatter_grads(
-            call, call.unpack_grads(call.backward(ctx.saved_tensors, ctx.kept, cots)), cots))
-
-
-# torch's Function.apply walks every argument in Python (functorch's dead-wrapper check);
-# functorch transforms are refused before a call (``Caller.__call__``), so we call the C++
-# apply directly.
-apply_bridge = super(torch.autograd.Function, BridgeFunction).apply
-
-
-def _functorch_wrapped(tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(isinstance(tensor, torch.Tensor) and check and check(tensor))
-
-
-def under_torch_func(where: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{where}: called under a torch.func transform (vmap, grad, jacrev, ...), whose "
-        f"tensors have no memory JAX can read. Call it outside the transform, or apply the "
-        f"JAX transform (jax.vmap, jax.grad) inside a jax_function."
-    )
+            results = entry.forward(arrays, leaves)[0]
+        if write_back is not None and entry.writes:
+            write_back(entry.write_back, results[entry.n_out : entry.n_results])
+        return jtu.tree_unflatten(entry.out_treedef, results[: entry.n_out])

@@ -1,20 +1,24 @@
-"""The torch.compile path: a FlaxModule call as two torch.library custom ops.
+"""The torch.compile edge: a FlaxModule call as two torch.library custom ops.
 
-Dynamo cannot trace JAX, so under ``torch.compile`` a call becomes two ops Dynamo treats as
-opaque (the PyTorch docs' way to wrap a foreign library):
+Dynamo cannot trace JAX, so under ``torch.compile`` step 3 of NOTE [Call path]
+(``_call.py``) is two ops Dynamo treats as opaque (the PyTorch docs' way to wrap a foreign
+library); every other step is the eager one:
 
-* ``flaxtorch::call(caller, mode, mask, leaves) -> results (+ residuals) (+ rng key data)``
-* ``flaxtorch::backward(caller, call, saved, cotangents) -> gradients``
+* ``flaxtorch::forward(caller, training, graph, mask, leaves) -> results, residuals[, rng],
+  key`` runs ``Caller.prepare`` and ``Entry.forward``;
+* ``flaxtorch::backward(caller, key, saved, cotangents) -> gradient buffers`` runs
+  ``Entry.backward``, and the traced autograd formula hands out ``Entry.gradients``;
+* the last output of the forward op is an empty ``(0, key)`` tensor: its static shape
+  tells the traced code which entry it called, so what it needs at trace time (how many
+  outputs, their structure, what is written back: ``_facts``) is looked up from a value
+  the op returned, not from state left behind by an earlier Dynamo callback.
 
-Both go through the module's ``Caller``: the same signatures, the same LRU cache and held
-arrays as eager calls, and the same ``save_for_backward`` / ``scatter_grads`` as
-``BridgeFunction`` (NOTE [Call path] in ``_caller.py``). Ops can carry only ints and strings:
-a caller is named by its ``compile_id`` (``_caller.CALLERS`` holds callers weakly, so nothing
-here outlives a module), a compiled call by its key. ``register_fake`` builds the call from
-the fake tensors' metadata (shapes are specialized: JAX compiles per shape anyway); the
-output structure is read after it, from the call it built (``_layout``). RNG keys are
-drawn inside the op, from torch's generator, only when the program reads them, and
-returned as one more output so that the backward can save them.
+Ops carry only ints, strings and tensors: a caller is named by its ``compile_id``
+(``_call.CALLERS`` holds callers weakly, so nothing here outlives a module), an entry by
+its key, the mode by ``training`` and the NNX ``graph`` (-1 for Linen). ``register_fake``
+builds the entry from the fake tensors' metadata (shapes are specialized: JAX compiles per
+shape anyway). RNG keys are drawn inside the op, from torch's generator, only when the
+programs read them, and returned as one more output so that the backward can save them.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import jax
 import torch
 
 import bridge
-from torchside._call import save_for_backward, scatter_grads
-from torchside._caller import CALLERS
+from flaxside.internal import ARRAY, WriteBack
+from torchside._call import CALLERS
+from torchside._entry import save_for_backward
 
 jtu = jax.tree_util
 
@@ -39,32 +44,57 @@ def _caller(caller_id: int):
     return caller
 
 
-def _call_for(caller_id: int, mode_id: int, mask: str, leaves):
-    """The caller and compiled call for the op's leaves (variables, then arguments)."""
+def _mode(training: int, graph: int):
+    return bool(training) if graph < 0 else (bool(training), graph)
+
+
+def _positional(n: int):
+    return jtu.tree_structure((tuple(range(n)), {}))
+
+
+def _split(caller, mask: str, leaves):
+    """``(variables, arguments, argument grads, variable grads)`` of an op's leaves."""
+    n_vars = len(caller.settings.var_names)
+    grads = tuple(m == "1" for m in mask)
+    return leaves[:n_vars], leaves[n_vars:], grads[n_vars:], grads[:n_vars]
+
+
+def _entry(caller_id: int, training: int, graph: int, mask: str, metas):
+    """The entry of a call from its leaves' ``(shape, dtype, device)`` (the fake's)."""
     caller = _caller(caller_id)
-    metas = tuple((tuple(int(d) for d in t.shape), t.dtype, t.device) for t in leaves)
-    sig = caller.signature_of(metas, caller.mode_of(mode_id), mask)
-    call = caller.lookup(sig, [None] * len(sig.statics), remember=True)
-    caller.traced[(mode_id, mask)] = call.key
-    return caller, call
+    variables, args, grads, var_grads = _split(caller, mask, [_Meta(*m) for m in metas])
+    sig = caller.signature(variables, args, _positional(len(args)), (ARRAY,) * len(args),
+                           _mode(training, graph), grads, var_grads,
+                           bridge.internal.exchange_for(metas[0][2] if metas
+                                                        else torch.device("cpu")),
+                           cached=False)
+    return caller, caller.lookup(sig, [None] * len(args), remember=True)
+
+
+class _Meta:
+    """A tensor's metadata standing in for it where a signature is made."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+
+def _metas(leaves) -> tuple:
+    return tuple((tuple(int(d) for d in t.shape), t.dtype, t.device) for t in leaves)
 
 
 @torch._dynamo.assume_constant_result
-def _mode_id(caller_id: int, training: bool, graph: int) -> int:
-    """The caller's number for a mode (``graph``: the NNX graph id, -1 for Linen)."""
-    return _caller(caller_id).mode_id(training if graph < 0 else (training, graph))
+def _facts(caller_id: int, key: int) -> tuple:
+    """``(outputs, output recipe, write-back targets, graph after)`` of entry ``key``."""
+    entry = _caller(caller_id).entry(key)
+    return (entry.n_out, _recipe(entry.out_treedef), entry.write_back.targets,
+            entry.write_back.graph)
 
 
-@torch._dynamo.assume_constant_result
-def _layout(caller_id: int, mode_id: int, mask: str) -> tuple:
-    """``(outputs, output recipe, write-back targets, graph after)`` of the call just traced.
-
-    Runs at trace time, after the op's fake implementation built (or found) that call.
-    """
-    caller = _caller(caller_id)
-    call = caller.compiled(caller.traced[(mode_id, mask)])
-    return (call.n_out, _recipe(call.program.out_treedef), call.write_back.targets,
-            call.write_back.graph)
+def _key_marker(entry) -> torch.Tensor:
+    """An empty tensor whose shape carries the entry's key into the traced code."""
+    return torch.empty((0, entry.key))
 
 
 def _recipe(treedef):
@@ -93,101 +123,102 @@ def _rebuild(recipe, outs):
     return dict(zip(recipe[1], outs, strict=True))
 
 
-def _full(call, leaves, rng) -> list:
-    """The call's leaves: the op's, with the rng leaf (if any) after the variables."""
+def _with_rng(entry, leaves, rng) -> list:
+    """The entry's leaves: the op's, with the RNG leaf (if any) after the variables."""
     if rng is None:
         return list(leaves)
-    return [*leaves[: call.n_vars], rng, *leaves[call.n_vars :]]
+    return [*leaves[: entry.n_vars], rng, *leaves[entry.n_vars :]]
 
 
-@torch.library.custom_op("flaxtorch::call", mutates_args=())
-def call_op(caller_id: int, mode_id: int, mask: str, leaves: list[torch.Tensor]) \
-        -> list[torch.Tensor]:
-    """Runs the compiled forward (with residuals when a gradient is needed)."""
-    caller, call = _call_for(caller_id, mode_id, mask, leaves)
-    shape = caller.owner.rng_shape
-    rng = None if shape is None else call.rng(shape)
-    head, _ = caller.held.arrays(leaves[: call.n_vars], call.exchange,
-                                 [m == "1" for m in mask[: call.n_vars]])
-    if rng is not None:
-        head.append(call.exchange.view(rng))
-    full = _full(call, leaves, rng)
-    if not call.grad_slots:
-        out = call.run(head, full)
-    else:
-        results, residuals, _ = call.forward(head, full)
-        out = results + residuals
-    # A fresh tensor: an op may not return one of its inputs or a tensor it returned before.
-    return out if rng is None else [*out, rng.clone()]
+@torch.library.custom_op("flaxtorch::forward", mutates_args=())
+def forward_op(caller_id: int, training: int, graph: int, mask: str,
+               leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Steps 2 and 4 of NOTE [Call path]: results, residuals, and the drawn RNG leaf."""
+    caller = _caller(caller_id)
+    variables, args, grads, var_grads = _split(caller, mask, leaves)
+    entry, state_arrays, full = caller.prepare(
+        variables, args, _positional(len(args)), (ARRAY,) * len(args), [None] * len(args),
+        _mode(training, graph), grads, var_grads, remember=True)
+    results, residuals, _ = entry.forward(state_arrays, full)
+    # The RNG leaf as a fresh tensor: an op may not return one of its inputs or a tensor it
+    # returned before.
+    rng = [full[entry.n_vars].clone()] if entry.n_state > entry.n_vars else []
+    return [*results, *residuals, *rng, _key_marker(entry)]
 
 
-@call_op.register_fake
-def _call_fake(caller_id, mode_id, mask, leaves):
-    caller, call = _call_for(caller_id, mode_id, mask, leaves)
-    program = call.program
-    specs = [(s.shape, bridge.torch_dtype(s.dtype)) for s in program.out_specs]
-    if call.grad_slots and not call.recompute:
-        specs += [(s.shape, bridge.torch_dtype(s.dtype))
-                  for s in program.residual_map().residual_specs]
-    if caller.owner.rng_shape is not None:
-        specs.append((caller.owner.rng_shape, torch.int32))
-    return [torch.empty(shape, dtype=dtype, device=call.device) for shape, dtype in specs]
+@forward_op.register_fake
+def _forward_fake(caller_id, training, graph, mask, leaves):
+    caller, entry = _entry(caller_id, training, graph, mask, _metas(leaves))
+    program = entry.program
+    specs = list(program.out_specs)
+    if entry.grad_slots and not entry.recompute:
+        specs += program.residual_map().residual_specs
+    out = [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=entry.device)
+           for s in specs]
+    if entry.n_state > entry.n_vars:
+        out.append(torch.empty(caller.settings.rng_shape, dtype=torch.int32,
+                               device=entry.device))
+    return [*out, _key_marker(entry)]
 
 
 @torch.library.custom_op("flaxtorch::backward", mutates_args=())
 def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
                 cots: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Runs the compiled backward of the call numbered ``key``: gradient buffers.
+    """``Entry.backward``: the gradient buffers.
 
-    Small gradients come back packed (``Program.grad_pack``); ``_backward`` takes views of
-    them in traced code, since an op's outputs may not alias one another.
+    Their views are taken in traced code (``Entry.gradients``), since an op's outputs may
+    not alias one another.
     """
-    return _caller(caller_id).compiled(key).backward(saved, None, cots)
+    caller = _caller(caller_id)
+    return caller.entry(key).backward(caller.held, saved, None, cots)
 
 
 @backward_op.register_fake
 def _backward_fake(caller_id, key, saved, cots):
-    call = _caller(caller_id).compiled(key)
-    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=call.device)
-            for s in call.program.grad_specs]
+    entry = _caller(caller_id).entry(key)
+    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=entry.device)
+            for s in entry.program.grad_specs]
 
 
 def _setup_context(ctx, inputs, output):
-    caller_id, mode_id, mask, leaves = inputs
-    caller, call = _call_for(caller_id, mode_id, mask, leaves)
-    rng = output[-1] if caller.owner.rng_shape is not None else None
+    caller_id, _, _, _, leaves = inputs
+    entry = _caller(caller_id).entry(int(output[-1].shape[1]))
+    output = output[:-1]
+    rng = output[-1] if entry.n_state > entry.n_vars else None
     output = output[:-1] if rng is not None else output
-    results, residuals = output[: call.n_results], output[call.n_results :]
-    ctx.mark_non_differentiable(*(results[k] for k in call.nondiff_out), *residuals,
+    results, residuals = output[: entry.n_results], output[entry.n_results :]
+    ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out), *residuals,
                                 *([] if rng is None else [rng]))
-    save_for_backward(ctx, call, _full(call, leaves, rng), results, residuals)
-    ctx.caller_id, ctx.key, ctx.rng = caller_id, call.key, rng is not None
+    save_for_backward(ctx, entry, _with_rng(entry, leaves, rng), results, residuals)
+    ctx.caller_id, ctx.key, ctx.rng = caller_id, entry.key, rng is not None
 
 
 def _backward(ctx, grads):
-    call = _caller(ctx.caller_id).compiled(ctx.key)
-    cots = [grads[k] for k in call.program.diff_out_index]
-    computed = backward_op(ctx.caller_id, ctx.key, list(ctx.saved_tensors),
-                           [None if g is None else g.contiguous() for g in cots])
-    grads = scatter_grads(call, call.unpack_grads(computed), cots)
-    if ctx.rng:  # the op's leaves have no rng leaf
-        del grads[call.n_vars]
-    return None, None, None, grads
+    entry = _caller(ctx.caller_id).entry(ctx.key)
+    cots = [grads[k] for k in entry.diff_out_index]
+    buffers = backward_op(ctx.caller_id, ctx.key, list(ctx.saved_tensors),
+                          [None if g is None else g.contiguous() for g in cots])
+    grads = entry.gradients(buffers, cots)
+    if ctx.rng:  # the op's leaves have no RNG leaf
+        del grads[entry.n_vars]
+    return None, None, None, None, grads
 
 
-call_op.register_autograd(_backward, setup_context=_setup_context)
+forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def compiled_call(module, args, kwargs):
-    """``FlaxModule.forward`` as Dynamo traces it: tensors in, the custom ops, tensors out."""
-    caller = module._caller
+def compiled_call(caller, variables, args, kwargs, mode, write_back):
+    """A call as Dynamo traces it: the custom ops in place of step 3 (NOTE [Call path]).
+
+    Steps 1 and 5 happen here, in traced code: positional tensors only (no pytrees), and
+    the owner's ``write_back`` with the updates the op returned.
+    """
     if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError(
             f"{caller.where} under torch.compile takes tensors as positional arguments only "
             f"(got {len(args)} positional, {len(kwargs)} keyword). Pass static values "
             f"through the Flax module's attributes, or call it outside torch.compile."
         )
-    variables = module._variables()
     leaves = list(variables) + list(args)
     grad = torch.is_grad_enabled()
     mask = "".join(
@@ -195,13 +226,9 @@ def compiled_call(module, args, kwargs):
         else "0"
         for t in leaves
     )
-    mode_id = _mode_id(caller.compile_id, module.training, module._graph if module._nnx else -1)
-    results = call_op(caller.compile_id, mode_id, mask, leaves)
-    n_out, recipe, targets, graph = _layout(caller.compile_id, mode_id, mask)
-    if targets:
-        with torch.no_grad():
-            for i, new in zip(targets, results[n_out : n_out + len(targets)], strict=True):
-                variables[i].copy_(new)
-    if graph is not None and graph != module._graph:
-        module._graph = graph
+    training, graph = mode if isinstance(mode, tuple) else (mode, -1)
+    results = forward_op(caller.compile_id, int(training), graph, mask, leaves)
+    n_out, recipe, targets, graph_after = _facts(caller.compile_id, results[-1].shape[1])
+    if targets or graph_after is not None:
+        write_back(WriteBack(targets, graph_after), results[n_out : n_out + len(targets)])
     return _rebuild(recipe, results[:n_out])

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import jax
 
 from flaxside.internal import WriteBack
-from torchside._caller import Caller, Owner
+from torchside._call import Caller, Settings
+from torchside._owner import CallerOwner
 
 _NO_STATE = jax.tree_util.tree_structure(((), None))
 
@@ -26,7 +27,7 @@ class _Apply:
         return self.fn(*args, **kwargs), [], WriteBack()
 
 
-class JaxFunction:
+class JaxFunction(CallerOwner):
     """A JAX function called with torch tensors; see ``jax_function``."""
 
     def __init__(self, fn: Callable, *, residuals: str = "save", cache_size: int = 32,
@@ -34,23 +35,13 @@ class JaxFunction:
         ft.update_wrapper(self, fn)
         self.fn = fn
         name = getattr(fn, "__name__", type(fn).__name__)
-        owner = Owner(f"jax_function({name})", _NO_STATE, (), _Apply(fn))
-        self._caller = Caller(owner, residuals=residuals, cache_size=cache_size,
+        settings = Settings(f"jax_function({name})", _NO_STATE, (), _Apply(fn))
+        self._caller = Caller(settings, residuals=residuals, cache_size=cache_size,
                               recompile_warning=recompile_warning)
 
     def __call__(self, *args, **kwargs):
         """Runs ``fn`` on pytrees of tensors (and static values); returns tensors."""
-        outs, _, _ = self._caller([], args, kwargs)
-        return outs
-
-    def clear_caches(self) -> None:
-        """Drops every compiled program; the next call compiles again."""
-        self._caller.clear()
-
-    @property
-    def trace_count(self) -> int:
-        """How many times the cached programs were traced."""
-        return sum(c.program.trace_count for c in self._caller.calls)
+        return self._caller([], args, kwargs)
 
 
 def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_size: int = 32,

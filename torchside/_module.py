@@ -7,16 +7,19 @@ import torch
 
 import bridge
 from flaxside.internal import adapter_for, init_linen, key_data_shape, program_report
-from torchside._caller import Caller, Owner
+from torchside._build import jax_device_for
+from torchside._call import Caller, Settings, split_args
 from torchside._compile import compiled_call
-from torchside._variables import attach_variables, current_tensors, run_scope_hooks
+from torchside._options import check_choice
+from torchside._owner import CallerOwner
+from torchside._variables import attach_variables
 
 jtu = jax.tree_util
 
 AUTOCAST_MODES = ("outputs", "inputs", "off")
 
 
-class FlaxModule(torch.nn.Module):
+class FlaxModule(CallerOwner, torch.nn.Module):
     """Runs a Flax Linen or NNX module inside PyTorch; torch owns its variables.
 
     Parameters (Linen's ``params`` collection, NNX's ``nnx.Param``) become
@@ -85,20 +88,17 @@ class FlaxModule(torch.nn.Module):
     ):
         super().__init__()
         where = f"FlaxModule({type(module).__name__})"
-        if autocast not in AUTOCAST_MODES:
-            raise ValueError(
-                f"FlaxModule: autocast={autocast!r} is not one of {AUTOCAST_MODES}: 'outputs' "
-                f"runs the block in its own dtype and casts its floating outputs to the "
-                f"autocast dtype, 'inputs' runs it in the autocast dtype, 'off' ignores "
-                f"autocast."
-            )
-        self.autocast = autocast
+        self.autocast = check_choice(
+            autocast, AUTOCAST_MODES, option="autocast", where=where,
+            meaning="'outputs' runs the block in its own dtype and casts its floating outputs "
+                    "to the autocast dtype, 'inputs' runs it in the autocast dtype, 'off' "
+                    "ignores autocast.")
         rngs = (rngs,) if isinstance(rngs, str) else tuple(rngs)
         if not isinstance(example_args, tuple | list):
             example_args = (example_args,)
         # Variables are made where torch makes a new layer's (torch's default device, the
         # CPU unless set otherwise), whatever JAX's default device is (NOTE [Devices]).
-        device = bridge.default_torch_device()
+        device = bridge.internal.default_torch_device()
         if variables is None and hasattr(module, "init") and not _is_nnx(module):
             variables = _init_linen(module, seed, rngs, tuple(example_args),
                                     dict(example_kwargs or {}), where, device)
@@ -116,9 +116,9 @@ class FlaxModule(torch.nn.Module):
         n = len(self._refs)
         state_treedef = jtu.tree_structure(
             (adapter.treedef.unflatten([0] * n), 0 if rngs else None))
-        owner = Owner(where, state_treedef, adapter.names, adapter.make_apply,
-                      (len(rngs), *key_data_shape()) if rngs else None)
-        self._caller = Caller(owner, residuals=residuals, cache_size=cache_size,
+        settings = Settings(where, state_treedef, adapter.names, adapter.make_apply,
+                            (len(rngs), *key_data_shape()) if rngs else None)
+        self._caller = Caller(settings, residuals=residuals, cache_size=cache_size,
                               recompile_warning=recompile_warning)
 
     @property
@@ -146,21 +146,7 @@ class FlaxModule(torch.nn.Module):
         return out
 
     def _variable_metadata(self) -> tuple:
-        return tuple((t.dtype, t.device, t.shape) for t in current_tensors(self._refs))
-
-    def clear_caches(self) -> None:
-        """Drops every compiled program and held array; the next call compiles again."""
-        self._caller.clear()
-
-    @property
-    def cache_size(self) -> int:
-        """How many call signatures keep their compiled programs."""
-        return self._caller.cache_size
-
-    @property
-    def trace_count(self) -> int:
-        """How many times the cached programs were traced (for tests of the cache)."""
-        return sum(c.program.trace_count for c in self._caller.calls)
+        return tuple((t.dtype, t.device, t.shape) for t in self._current_tensors())
 
     def memory_report(self, *example_args, **example_kwargs):
         """What a training call with these arguments holds and needs, in the current mode.
@@ -185,33 +171,79 @@ class FlaxModule(torch.nn.Module):
             >>> layer.memory_report(torch.zeros(2, 4)).param_bytes
             60
         """
-        variables = current_tensors(self._refs)
-        call = self._caller.training_call(variables, example_args, example_kwargs,
-                                          self._mode())
-        if not call.grad_slots:
+        caller, variables = self._caller, self._current_tensors()
+        tensors, treedef, statics, values = split_args(example_args, example_kwargs,
+                                                       caller.where)
+        lead = variables[0] if variables else (tensors[0] if tensors else None)
+        device = lead.device if lead is not None else torch.device("cpu")
+        jax_device_for(device, "memory_report", caller.where)  # a device JAX can reach
+        with torch.enable_grad():  # the signature of a training call
+            sig = caller.signature(
+                variables, tensors, treedef, statics, self._mode(),
+                tuple(t.is_floating_point() or t.is_complex() for t in tensors), None,
+                bridge.internal.exchange_for(device))
+        entry = caller.lookup(sig, values)
+        if not entry.grad_slots:
             raise ValueError(
-                f"{self._caller.where}.memory_report: nothing in the call requires grad (no "
+                f"{caller.where}.memory_report: nothing in the call requires grad (no "
                 f"floating parameter that requires grad, no floating argument), so there is "
                 f"no backward to measure."
             )
         param_bytes = sum(t.numel() * t.element_size()
                           for t, p in zip(variables, self._is_param, strict=True) if p)
-        return program_report(call.program, param_bytes=param_bytes,
-                              held=call.held_besides_residuals(), recompute=call.recompute)
+        return program_report(entry.program, param_bytes=param_bytes,
+                              held=_held_besides_residuals(entry), recompute=entry.recompute)
 
     # -- the call -----------------------------------------------------------------------
     def _mode(self):
         return (self.training, self._graph) if self._nnx else self.training
 
+    def _current_tensors(self) -> list[torch.Tensor]:
+        """The variables' tensors now, read as torch modules read them.
+
+        ``.to()``, ``load_state_dict(assign=True)`` and FSDP2 replace the entries, so they
+        are read at every call. A parametrized (``torch.nn.utils.parametrize``) or pruned
+        variable is no longer in ``_parameters``: the attribute gives its current value,
+        and gradients reach the original through torch's autograd.
+        """
+        out = []
+        for scope, name, is_param in self._refs:
+            t = (scope._parameters if is_param else scope._buffers).get(name)
+            out.append(getattr(scope, name) if t is None else t)
+        return out
+
     def _variables(self) -> list[torch.Tensor]:
-        run_scope_hooks(self._scopes)
-        return current_tensors(self._refs)
+        """The variables a call reads, after the forward pre-hooks of their scopes.
+
+        Hook-based weight transforms (``torch.nn.utils.prune``, the older ``weight_norm``
+        and ``spectral_norm``) recompute a weight there, as if the scope were called.
+        """
+        for scope in self._scopes:
+            if scope._forward_pre_hooks:
+                with_kwargs = scope._forward_pre_hooks_with_kwargs
+                for hook_id, hook in list(scope._forward_pre_hooks.items()):
+                    if hook_id in with_kwargs:
+                        hook(scope, (), {})
+                    else:
+                        hook(scope, ())
+        return self._current_tensors()
+
+    def _write_back(self, write_back, updates) -> None:
+        """Step 5 of NOTE [Call path]: updated state into the buffers, the NNX graph after."""
+        if updates:
+            variables = self._current_tensors()
+            with torch.no_grad():
+                for i, new in zip(write_back.targets, updates, strict=True):
+                    variables[i].copy_(new)
+        if write_back.graph is not None:
+            self._graph = write_back.graph
 
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
-        if torch.compiler.is_compiling():
-            return compiled_call(self, args, kwargs)
         variables = self._variables()
+        if torch.compiler.is_compiling():  # the one step that differs: NOTE [Call path]
+            return compiled_call(self._caller, variables, args, kwargs, self._mode(),
+                                 self._write_back)
         leaves = variables
         cast = self._autocast_dtype(variables)
         if cast is not None:
@@ -223,13 +255,7 @@ class FlaxModule(torch.nn.Module):
                 own = self._compute_dtype(variables)
                 if own is not None:
                     args, kwargs = _cast_tree((args, kwargs), own)
-        outs, updates, call = self._caller(leaves, args, kwargs, self._mode())
-        if updates:
-            with torch.no_grad():
-                for i, new in zip(call.write_back.targets, updates, strict=True):
-                    variables[i].copy_(new)
-        if call.write_back.graph is not None:
-            self._graph = call.write_back.graph
+        outs = self._caller(leaves, args, kwargs, self._mode(), self._write_back)
         if cast is not None and self.autocast == "outputs":
             outs = _cast_tree(outs, cast)
         return outs
@@ -276,7 +302,7 @@ class FlaxModule(torch.nn.Module):
         """
         return self._adapter.variables(
             [bridge.to_jax(t.detach(), name=n) for t, n in
-             zip(current_tensors(self._refs), self._adapter.names, strict=True)]
+             zip(self._current_tensors(), self._adapter.names, strict=True)]
         )
 
     def load_flax_variables(self, variables) -> None:
@@ -286,7 +312,7 @@ class FlaxModule(torch.nn.Module):
             ValueError: the structure differs, or a leaf's shape differs (names the path).
         """
         leaves = self._adapter.leaf_values(variables)
-        targets = current_tensors(self._refs)
+        targets = self._current_tensors()
         for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
             if tuple(leaf.shape) != tuple(t.shape):
                 raise ValueError(
@@ -297,6 +323,23 @@ class FlaxModule(torch.nn.Module):
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
                 leaf = jax.device_put(leaf, bridge.jax_device(t.device, name=name))
                 t.copy_(bridge.to_torch(leaf, name=name))
+
+
+def _held_besides_residuals(entry) -> list:
+    """What a call saves for the backward besides the program's residuals, as specs.
+
+    Besides the owner's variables, the call's arguments and its outputs too (see
+    ``save_for_backward``): a drawn RNG key, copies of written-back state, saved state
+    updates.
+    """
+    program = entry.program
+    rng = [program.specs[entry.n_vars]] if entry.n_state > entry.n_vars else []
+    if entry.recompute:
+        # Every leaf is saved (the RNG leaf too), written-back state as a clone.
+        return [program.specs[i] for i in entry.write_back.targets] + rng
+    rmap = program.residual_map()
+    return ([s for s in rng if entry.n_vars in rmap.saved_inputs]
+            + [program.out_specs[k] for k in rmap.saved_outputs if k >= entry.n_out])
 
 
 def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where: str,

@@ -113,20 +113,21 @@ class Rule:
 ModuleRule = Callable[[torch.nn.Module, list], dict]
 
 
-def _linear(m, srcs):
-    (s,) = srcs
-    out = {"weight": s.child("kernel", "linear")}
-    if m.bias is not None:
-        out["bias"] = s.child("bias")
-    return out
+def _kernel_and_bias(layout: str) -> ModuleRule:
+    """The rule of a torch layer with a ``weight`` laid out as ``layout`` and a bias."""
+
+    def rule(m, srcs):
+        (s,) = srcs
+        out = {"weight": s.child("kernel", layout)}
+        if m.bias is not None:
+            out["bias"] = s.child("bias")
+        return out
+
+    return rule
 
 
-def _conv(m, srcs):
-    (s,) = srcs
-    out = {"weight": s.child("kernel", "conv")}
-    if m.bias is not None:
-        out["bias"] = s.child("bias")
-    return out
+_linear = _kernel_and_bias("linear")
+_conv = _kernel_and_bias("conv")
 
 
 def _norm(m, srcs):

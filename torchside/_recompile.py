@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from torchside._options import check_positive_int
+
 
 class RecompileWarning(UserWarning):
     """A ``FlaxModule`` or ``jax_function`` compiled for more call signatures than expected.
@@ -17,19 +19,6 @@ class RecompileWarning(UserWarning):
     programs again, which can cost more than the step itself. Silence it per module with
     ``recompile_warning=None``, or filter this class with ``warnings.filterwarnings``.
     """
-
-
-def check_threshold(recompile_warning, where: str):
-    """Validates the ``recompile_warning`` option: a positive int or ``None``."""
-    if recompile_warning is None:
-        return None
-    if isinstance(recompile_warning, bool) or not isinstance(recompile_warning, int) \
-            or recompile_warning < 1:
-        raise ValueError(
-            f"{where}: recompile_warning={recompile_warning!r} must be a positive int (warn "
-            f"once after that many distinct call signatures) or None (never warn)."
-        )
-    return recompile_warning
 
 
 # Frames in these directories are ours or torch's module-call machinery: the warning points
@@ -57,7 +46,9 @@ class RecompileMonitor:
     """
 
     def __init__(self, threshold: int | None, where: str):
-        self.threshold = check_threshold(threshold, where)
+        self.threshold = check_positive_int(
+            threshold, option="recompile_warning", where=where, none_ok=True,
+            meaning="warn once after that many distinct call signatures, or never")
         self.where = where
         self._seen: dict = {}
         self._done = threshold is None

@@ -59,30 +59,3 @@ def attach_variables(root: torch.nn.Module, names, is_param, values, device: tor
             scope._buffers[keys[-1]] = tensor
         refs.append((scope, keys[-1], param))
     return tuple(refs), tuple(scopes)
-
-
-def run_scope_hooks(scopes) -> None:
-    """Runs the forward pre-hooks of the scopes that have any (see ``FlaxScope``)."""
-    for scope in scopes:
-        if scope._forward_pre_hooks:
-            with_kwargs = scope._forward_pre_hooks_with_kwargs
-            for hook_id, hook in list(scope._forward_pre_hooks.items()):
-                if hook_id in with_kwargs:
-                    hook(scope, (), {})
-                else:
-                    hook(scope, ())
-
-
-def current_tensors(refs) -> list[torch.Tensor]:
-    """The variables' tensors now, read as torch modules read them.
-
-    ``.to()``, ``load_state_dict(assign=True)`` and FSDP2 replace the entries, so they are
-    read at every call. A parametrized (``torch.nn.utils.parametrize``) or pruned variable
-    is no longer in ``_parameters``: the attribute gives its current value, and gradients
-    reach the original through torch's autograd.
-    """
-    out = []
-    for scope, name, is_param in refs:
-        t = (scope._parameters if is_param else scope._buffers).get(name)
-        out.append(getattr(scope, name) if t is None else t)
-    return out
