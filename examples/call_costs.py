@@ -5,17 +5,23 @@ What this shows: the per-tensor cost of each exchange step a call takes on this 
 route) and what narrowing int64 token ids to int32 costs per argument (the range check
 and the copy), each the median of repeated runs over many tensors. On CUDA the int64
 check also reads two numbers back to the host, so it waits for the work that made the
-ids; this script measures the CPU.
+ids; this script measures the CPU. Last, how many Python function calls one cached
+forward+backward of a small FlaxModule makes (cProfile): a count, not a time, so it
+compares versions of the bridge on any machine.
 
 How to run:
     python examples/call_costs.py          # about 20 s
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import torch
 
 from bridge import set_exchange_mode
@@ -31,6 +37,30 @@ def per_item(fn, n: int, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / n
+
+
+class TinyMLP(nn.Module):
+    """The benchmark's TINY workload: two Dense layers, width 64."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64)(jnp.tanh(nn.Dense(64)(x)))
+
+
+def python_calls_per_call(repeats: int) -> float:
+    """Python function calls per cached forward+backward of ``TinyMLP`` (batch 8)."""
+    from torchside import FlaxModule
+
+    layer = FlaxModule(TinyMLP(), example_args=(torch.zeros(8, 64),))
+    x, ct = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64)
+    for _ in range(3):  # compile and settle
+        layer(x).backward(ct)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(repeats):
+        layer(x).backward(ct)
+    profile.disable()
+    return pstats.Stats(profile).total_calls / repeats
 
 
 def main() -> None:
@@ -81,6 +111,8 @@ def main() -> None:
     print(f"{'step'.ljust(width)}  {'cost':>9}  zero-copy")
     for name, seconds, zero_copy in rows:
         print(f"{name.ljust(width)}  {seconds * 1e6:7.1f} us  {zero_copy}")
+    print(f"Python function calls per cached forward+backward of a 2-layer FlaxModule: "
+          f"{python_calls_per_call(max(repeats, 10)):.0f}")
 
 
 if __name__ == "__main__":
