@@ -22,6 +22,9 @@ TINY_ARGS = {
                        "--rounds", "1"],  # without a GPU it says so and exits 0
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
     "benchmark.py": ["--smoke", "--out", "{out}"],
+    "train_lm.py": ["--steps", "30", "--layers", "2", "--width", "32", "--heads", "2",
+                    "--batch", "8", "--context", "16", "--eval-batches", "2",
+                    "--sample-chars", "40", "--log-every", "10"],
 }
 
 
@@ -54,6 +57,20 @@ def _check_train_digits(done, out) -> None:
     assert float(held.group(1)) < float(held.group(2))
 
 
+def _check_train_lm(done, out) -> None:
+    losses = [float(x) for x in re.findall(r"^step +\d+/\d+  loss ([\d.]+)", done.stdout, re.M)]
+    assert len(losses) == 4, done.stdout  # steps 1, 10, 20, 30
+    assert losses[-1] < losses[0] - 0.5, losses  # from chance (ln 256 = 5.5) towards the text
+    assert re.search(r"^held-out loss [\d.]+ ", done.stdout, re.M), done.stdout
+    held = re.search(r"([\d.]+) MiB with remat_stack, ([\d.]+) MiB for the same", done.stdout)
+    assert held, done.stdout
+    assert float(held.group(1)) < float(held.group(2))
+    # The prompt and 40 sampled characters between the two rules.
+    sample = re.search(r"^-{60}\n(.*?)\n-{60}$", done.stdout, re.M | re.S)
+    assert sample and sample.group(1).startswith("Return a "), done.stdout
+    assert len(sample.group(1)) >= len("Return a ") + 20, sample.group(1)
+
+
 def _check_benchmark(done, out) -> None:
     for png in ("held_bytes_vs_depth.png", "time_vs_depth.png", "compile_vs_depth.png",
                 "time_vs_leaves.png"):
@@ -74,7 +91,11 @@ def _check_benchmark(done, out) -> None:
     assert "Targets" in done.stdout
 
 
-CHECKS = {"train_digits.py": _check_train_digits, "benchmark.py": _check_benchmark}
+CHECKS = {
+    "train_digits.py": _check_train_digits,
+    "benchmark.py": _check_benchmark,
+    "train_lm.py": _check_train_lm,
+}
 
 
 @pytest.mark.slow
