@@ -79,8 +79,7 @@ class Block(nn.Module):
     """GPT-2 block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``; maps a carry to a carry.
 
     ``layers`` is the depth of the whole stack: as in GPT-2 the two projections back into
-    the residual stream start at std ``0.02 / sqrt(2 * layers)``. (Not named ``depth``:
-    ``remat_stack(Block, depth, **block_kwargs)`` takes that name itself.)
+    the residual stream start at std ``0.02 / sqrt(2 * layers)``.
     """
 
     width: int
@@ -235,8 +234,7 @@ def main(argv=None) -> dict:
     # head): the model is one Flax definition that pure JAX could run as well, the head can
     # share the embedding's matrix (Embed.attend), and only token ids and logits cross.
     size = dict(context=args.context, width=args.width, heads=args.heads, layers=args.layers)
-    # int32 here: FlaxModule's init refuses int64 example_args (calls accept int64 ids).
-    example = torch.zeros(args.batch, args.context, dtype=torch.int32)
+    example = torch.zeros(args.batch, args.context, dtype=torch.long)  # int64, as the ids
     model = FlaxModule(GPT(**size), example_args=(example,), seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.layers} layers, width {args.width}, {args.heads} heads, context "

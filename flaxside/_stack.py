@@ -132,8 +132,8 @@ def _is_linen(block) -> bool:
                                             and issubclass(block, nn.Module))
 
 
-def remat_stack(block, depth: int, *, lengths=None, policy=None, memory_budget=None,
-                rngs=None, name=None, **block_kwargs):
+def remat_stack(block, depth: int, /, *, lengths=None, policy=None, memory_budget=None,
+                rngs=None, name=None, block_kwargs=None, **more_block_kwargs):
     """A module applying ``block`` ``depth`` times with stacked parameters, carry in, carry out.
 
     Activations are rematerialized at every level of a nested loop: with
@@ -167,7 +167,11 @@ def remat_stack(block, depth: int, *, lengths=None, policy=None, memory_budget=N
             picks the fewest levels that fit.
         rngs: ``nnx.Rngs`` for NNX blocks (split across layers); unused for Linen.
         name: the Linen module's name.
-        **block_kwargs: arguments of ``block``'s constructor.
+        block_kwargs: arguments of ``block``'s constructor, as a dict: for a block field
+            that shares a name with an argument of ``remat_stack`` (``lengths``,
+            ``policy``, ``memory_budget``, ``rngs``, ``name``, ``block_kwargs``).
+        **more_block_kwargs: arguments of ``block``'s constructor (a field named
+            ``depth`` or ``block`` too: those two arguments are positional).
 
     Returns:
         A Linen ``RematStack`` or an ``NnxRematStack``.
@@ -187,6 +191,7 @@ def remat_stack(block, depth: int, *, lengths=None, policy=None, memory_budget=N
         >>> stack.apply(variables, x).shape
         (2, 8)
     """
+    block_kwargs = {**(block_kwargs or {}), **more_block_kwargs}
     if memory_budget is not None and lengths != "auto":
         raise ValueError(
             f"remat_stack: memory_budget={memory_budget} is only used with lengths='auto', "
@@ -207,7 +212,7 @@ def remat_stack(block, depth: int, *, lengths=None, policy=None, memory_budget=N
                 f"(e.g. rngs=nnx.Rngs(0)) to initialize its {depth} layers."
             )
         return NnxRematStack(block, depth, lengths=lengths, policy=policy,
-                             memory_budget=memory_budget, rngs=rngs, **block_kwargs)
+                             memory_budget=memory_budget, rngs=rngs, block_kwargs=block_kwargs)
     if _is_linen(block):
         cls, kwargs = _block_kwargs(block)
         kwargs.update(block_kwargs)

@@ -19,8 +19,9 @@ class NnxRematStack(nnx.Module):
     are stacked with leading axes ``lengths`` (``(depth,)`` for ``lengths="auto"``).
     """
 
-    def __init__(self, block: type, depth: int, *, lengths=None, policy=None,
-                 memory_budget: int | None = None, rngs: nnx.Rngs, **block_kwargs):
+    def __init__(self, block: type, depth: int, /, *, lengths=None, policy=None,
+                 memory_budget: int | None = None, rngs: nnx.Rngs, block_kwargs=None):
+        block_kwargs = dict(block_kwargs or {})
         auto = isinstance(lengths, str)
         layout = (depth,) if auto else check_lengths(lengths, depth)
         resolve_policy(policy)  # fail at construction, not at the first call

@@ -127,3 +127,16 @@ def test_under_x64_int64_stays_int64(x64):
     out, is64 = f(big)
     assert out.dtype == torch.int64 and bool(is64)
     torch.testing.assert_close(out, big + 1, rtol=0, atol=0)
+
+
+def test_int64_example_args_initialize_like_int32_ones():
+    example = (torch.zeros(4, 6, dtype=torch.int64), torch.ones(4, 6, dtype=torch.int64))
+    m64 = FlaxModule(TinyLM(), example_args=example, seed=3)
+    m32 = FlaxModule(TinyLM(), example_args=tuple(t.int() for t in example), seed=3)
+    for (name, a), (_, b) in zip(m64.state_dict().items(), m32.state_dict().items(),
+                                 strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    bad = (torch.full((4, 6), 2**40), example[1])
+    with pytest.raises(TypeError, match=r"FlaxModule\(TinyLM\): argument 'example_args\[0\]' "
+                                        r"is torch.int64 with values from"):
+        FlaxModule(TinyLM(), example_args=bad)

@@ -255,3 +255,27 @@ def test_invalid_block_and_stored_params_raise():
     other = flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(4, 4), width=W)
     with pytest.raises(flax.errors.ScopeParamShapeError, match=r"\(4, 4, 16\).*\(2, 8, 16\)"):
         jax.eval_shape(other.apply, params, x)
+
+
+class Scaled(nn.Module):
+    """A block whose fields share names with remat_stack's own arguments."""
+
+    depth: int
+    policy: float
+
+    @nn.compact
+    def __call__(self, x):
+        return x + self.policy * jnp.tanh(nn.Dense(x.shape[-1])(x)) / self.depth
+
+
+def test_block_fields_named_like_remat_stack_arguments():
+    x = jnp.ones((2, 4))
+    stack = flaxside.remat_stack(Scaled, 4, lengths=(2, 2), depth=3,
+                                 block_kwargs={"policy": 0.5})
+    variables = stack.init(jax.random.key(0), x)
+    layers = [jax.tree_util.tree_map(lambda a, i=i: a.reshape(4, *a.shape[2:])[i],
+                                     variables["params"]) for i in range(4)]
+    want = x
+    for p in layers:
+        want = Scaled(depth=3, policy=0.5).apply({"params": p}, want)
+    np.testing.assert_allclose(stack.apply(variables, x), want, rtol=1e-6, atol=1e-6)

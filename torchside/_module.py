@@ -7,7 +7,7 @@ import torch
 
 import bridge
 from flaxside.internal import adapter_for, init_linen, key_data_shape, program_report
-from torchside._build import jax_device_for
+from torchside._build import for_owner, jax_device_for
 from torchside._call import Caller, Settings, split_args
 from torchside._compile import compiled_call
 from torchside._options import check_choice
@@ -351,7 +351,7 @@ def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where
     def convert(tree, label):
         paths, treedef = jtu.tree_flatten_with_path(tree)
         return jtu.tree_unflatten(treedef, [
-            bridge.to_jax(x, name=f"{label}{jtu.keystr(p)}") if isinstance(x, torch.Tensor)
+            _example(x, f"{label}{jtu.keystr(p)}", where) if isinstance(x, torch.Tensor)
             else x for p, x in paths])
 
     init_rngs = {"params": jax.random.key(seed)}
@@ -369,6 +369,16 @@ def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where
             f"features),) (shapes and dtypes like the real inputs), or variables= with "
             f"existing Flax variables."
         ) from e
+
+
+def _example(tensor: torch.Tensor, name: str, where: str):
+    """An example argument for ``init`` as JAX sees it: int64 narrowed as calls narrow it."""
+    if bridge.internal.narrows_to_int32(tensor.dtype):
+        try:
+            tensor = bridge.internal.narrow_to_int32(tensor, name=name)
+        except TypeError as e:
+            raise for_owner(e, where) from None
+    return bridge.to_jax(tensor, name=name)
 
 
 def _cast(t, dtype):
