@@ -7,7 +7,7 @@ An adapter turns a Flax module into what the torch side needs and nothing torch-
 * ``treedef``: how those leaves rebuild the module's state;
 * ``make_apply(mode)``: ``apply(state, *args, **kwargs) -> (outputs, updates, WriteBack)``
   with ``state = (variable leaves tree, raw key data or None)``; ``updates`` are the new
-  values of the leaves at ``WriteBack.targets`` (found by tracing: an NNX forward may
+  values of the leaves at ``WriteBack.targets`` (learned by each trace: an NNX forward may
   assign a Param). ``mode`` is ``training`` for Linen and ``(training, graph)`` for NNX.
 
 Typed PRNG keys (RNG streams, key-typed state) cross as raw key data so that torch can
@@ -160,13 +160,40 @@ def _changed_paths(before, after) -> str:
                      + [f"{len(old)} before the call, {len(new)} after"])
 
 
+class Graph:
+    """An NNX module graph as a call signature holds it: compared by value, hashed once.
+
+    A forward that changes a plain Python attribute returns a new ``Graph``, which the next
+    call uses, as ``nnx.jit`` propagates it. A graph that holds an unhashable attribute
+    hashes to 0 and is told apart by comparison alone. Nothing keeps a ``Graph`` but the
+    module and the signatures that use it, so graphs are dropped with them.
+    """
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        try:
+            self._hash = hash(graphdef)
+        except TypeError:
+            self._hash = 0
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, Graph) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"Graph({type(self.graphdef).__name__}, hash={self._hash})"
+
+
 class NNXAdapter(Leaves):
     """An ``nnx.Module``: ``nnx.Param`` leaves are parameters, every other state a buffer.
 
     Key-typed state (``nnx.RngKey``) is held as raw key data and wrapped inside the program.
-    The module's graph (its structure and plain Python attributes) lives here; a forward
-    that changes an attribute yields a new graph, which the next call uses, as
-    ``nnx.jit`` propagates it. Graphs are numbered on first sight.
+    The module's structure and plain Python attributes are a ``Graph``, part of the mode.
     """
 
     kind = "nnx"
@@ -181,8 +208,7 @@ class NNXAdapter(Leaves):
             )
         self.where = where
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        graphdef = _train_mode_graph(graphdef, params, rest)
-        self._graphs = [graphdef]
+        self.graph = Graph(_train_mode_graph(graphdef, params, rest))
         self.rng_streams = tuple(rng_streams)
         p_leaves, _ = jtu.tree_flatten_with_path(params)
         r_leaves, _ = jtu.tree_flatten_with_path(rest)
@@ -236,27 +262,6 @@ class NNXAdapter(Leaves):
             f"nnx.Rngs(0, {missing[0]}=1)."
         )
 
-    def graph_id(self, graphdef) -> int:
-        """The number of a module graph, numbered on first sight.
-
-        Graphs are compared, not hashed: a graph may hold unhashable attributes, and
-        hashing a large one is slow.
-        """
-        for gid, known in enumerate(self._graphs):
-            if known == graphdef:
-                return gid
-        self._graphs.append(graphdef)
-        return len(self._graphs) - 1
-
-    @property
-    def graphdef(self):
-        """The module graph as first split (before any forward changed it)."""
-        return self._graphs[0]
-
-    def graph(self, gid: int):
-        """The module graph numbered ``gid`` (in train mode, see ``_train_mode_graph``)."""
-        return self._graphs[gid]
-
     def mutable_index(self, training: bool) -> tuple[int, ...]:
         """Every non-Param leaf is written back in training mode; none in eval mode.
 
@@ -268,41 +273,31 @@ class NNXAdapter(Leaves):
         return tuple(range(self._n_params, len(self.names)))
 
     def make_apply(self, mode):
-        """``apply`` for ``mode = (training, graph id)``; see the module docstring.
+        """``apply`` for ``mode = (training, Graph)``; see the module docstring.
 
         Besides the non-Param state (training mode), the forward's own Param assignments
         (``m.kernel[...] = ...``, as in the ``nnx.fori_loop`` docstring) are written back in
-        both modes, as pure NNX would keep them. Which Params a forward assigns is found by
-        identity when it is first traced; later traces copy those Params on entry, so the
-        backward reads the copy and never the torch parameter that is then overwritten.
+        both modes, as pure NNX would keep them. A trace that finds, by identity, that the
+        forward assigns Params runs it a second time on copies of those (``snapshot``), so
+        the backward reads the copies and never the torch parameter the write-back then
+        overwrites; the first run is dead code. Each trace learns this for itself.
         """
-        training, gid = mode
-        graphdef, n_params = self._graphs[gid], self._n_params
+        training, graph = mode
+        graphdef, n_params = graph.graphdef, self._n_params
         stream_keys, streams = self._stream_keys, self.rng_streams
         stream_counts, key_shapes = self._stream_counts, self._key_shapes
         rest_index = self.mutable_index(training)
         write_back = bool(rest_index)
-        assigned = None  # Param leaves the forward assigns: found by the first trace
 
-        def apply(state, *args, **kwargs):
-            nonlocal assigned
-            (params, rest), raw = state
-            p_leaves, p_def = jtu.tree_flatten(params)
-            if assigned:
-                p_leaves = snapshot(p_leaves, assigned)
-            r_leaves, r_def = jtu.tree_flatten(rest)
-            if write_back:  # see snapshot: every non-Param leaf is written back
-                r_leaves = snapshot(r_leaves, range(len(r_leaves)))
-            p_leaves = [self.restore(i, x) for i, x in enumerate(p_leaves)]
+        def run(p_leaves, p_def, r_leaves, r_def, args, kwargs):
+            """The forward on these leaves: outputs, new state, the Params it assigned.
+
+            The state is rebuilt from leaves for each run: ``nnx.merge`` reuses the
+            Variables it is given, and a run mutates them (BatchNorm's statistics).
+            """
             params = jtu.tree_unflatten(p_def, p_leaves)
-            r_leaves = [self.restore(n_params + i, x) for i, x in enumerate(r_leaves)]
-            if streams:
-                drawn = wrap_keys(raw, streams)
-                for n, (i, tag) in enumerate(stream_keys):
-                    r_leaves[i] = split_to(jax.random.fold_in(drawn[tag], n), key_shapes[i])
-                for i in stream_counts:
-                    r_leaves[i] = jnp.zeros_like(r_leaves[i])
-            model = nnx.merge(graphdef, params, jtu.tree_unflatten(r_def, r_leaves))
+            rest = jtu.tree_unflatten(r_def, r_leaves)
+            model = nnx.merge(graphdef, params, rest)
             if training:
                 model.train()
             else:
@@ -312,22 +307,42 @@ class NNXAdapter(Leaves):
             new_graphdef, new_params, new_rest = nnx.split(model, nnx.Param, ...)
             self._check_same_state(params, new_params, rest, new_rest)
             new_p = jtu.tree_leaves(new_params)
-            changed = [i for i, (a, b) in enumerate(zip(p_leaves, new_p, strict=True))
-                       if a is not b]
-            if assigned is None:
-                assigned = changed
-            elif changed != assigned:
-                raise NotImplementedError(
-                    f"{self.where}: the NNX module's forward assigned the Params at "
-                    f"{changed} in one trace and {assigned} in another; it must assign the "
-                    f"same Params on every call."
-                )
+            assigned = tuple(i for i, (a, b) in enumerate(zip(p_leaves, new_p, strict=True))
+                             if a is not b)
+            return out, new_graphdef, new_p, new_rest, assigned
+
+        def apply(state, *args, **kwargs):
+            (params, rest), raw = state
+            p_leaves, p_def = jtu.tree_flatten(params)
+            p_leaves = [self.restore(i, x) for i, x in enumerate(p_leaves)]
+            r_leaves, r_def = jtu.tree_flatten(rest)
+            if write_back:  # see snapshot: every non-Param leaf is written back
+                r_leaves = snapshot(r_leaves, range(len(r_leaves)))
+            r_leaves = [self.restore(n_params + i, x) for i, x in enumerate(r_leaves)]
+            if streams:
+                drawn = wrap_keys(raw, streams)
+                for n, (i, tag) in enumerate(stream_keys):
+                    r_leaves[i] = split_to(jax.random.fold_in(drawn[tag], n), key_shapes[i])
+                for i in stream_counts:
+                    r_leaves[i] = jnp.zeros_like(r_leaves[i])
+            out, new_graphdef, new_p, new_rest, assigned = run(p_leaves, p_def, r_leaves,
+                                                              r_def, args, kwargs)
+            if assigned:
+                copies = snapshot(p_leaves, assigned)
+                out, new_graphdef, new_p, new_rest, again = run(copies, p_def, r_leaves,
+                                                                r_def, args, kwargs)
+                if again != assigned:
+                    raise NotImplementedError(
+                        f"{self.where}: the NNX module's forward assigned the Params at "
+                        f"{list(assigned)} in one run and {list(again)} in another; it must "
+                        f"assign the same Params on every call."
+                    )
             updates = [self.store(i, new_p[i]) for i in assigned]
             if write_back:
                 updates = [self.store(n_params + i, x)
                            for i, x in enumerate(jtu.tree_leaves(new_rest))] + updates
-            new_gid = gid if new_graphdef == graphdef else self.graph_id(new_graphdef)
-            return out, updates, WriteBack(rest_index + tuple(assigned), new_gid)
+            new_graph = graph if new_graphdef == graphdef else Graph(new_graphdef)
+            return out, updates, WriteBack(rest_index + assigned, new_graph)
 
         return apply
 

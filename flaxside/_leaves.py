@@ -8,6 +8,7 @@ signed dtype of its width (``Leaves``); both are restored, bit for bit, inside t
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import NamedTuple
 
 import jax
@@ -22,12 +23,12 @@ class WriteBack(NamedTuple):
 
     Attributes:
         targets: indices of the variable leaves that the call's ``updates`` replace, in order.
-        graph: for NNX, the id of the module graph after the call (a forward that changes
-            a Python attribute changes the graph, as under ``nnx.jit``); ``None`` otherwise.
+        graph: for NNX, the module graph after the call (``Graph``: a forward that changes
+            a Python attribute changes it, as under ``nnx.jit``); ``None`` otherwise.
     """
 
     targets: tuple[int, ...] = ()
-    graph: int | None = None
+    graph: Hashable = None
 
 
 def key_name(k) -> str:

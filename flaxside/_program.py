@@ -37,7 +37,7 @@ from flaxside._depends import input_masks
 from flaxside._device import aval, compiling_for
 from flaxside._leaves import is_key
 from flaxside._pack import pack, pack_plan, unpack
-from flaxside._specs import LeafSpec, ResidualMap, is_differentiable
+from flaxside._specs import LeafSpec, Learned, ResidualMap, is_differentiable
 from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
@@ -115,16 +115,15 @@ class Program:
         self.grad_specs = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
         self.trace_count = 0
         self._lock = threading.RLock()  # compiling the backward asks for the residual map
-        found = []
 
         def abstract(leaves):
             results, structure = self._results(leaves)
-            found.append(structure)
-            return results
+            return results, Learned(structure)
 
         with compiling_for(device):  # code traced inside may compile for the device
-            closed = jax.make_jaxpr(abstract)([s.aval for s in self.specs])
-        (self._structure,) = found
+            closed, (_, learned) = jax.make_jaxpr(abstract, return_shape=True)(
+                [s.aval for s in self.specs])
+        self._structure: _Structure = learned.take()
         self.out_treedef = self._structure.out_treedef
         self.n_out = self._structure.n_out
         self.write_back = self._structure.write_back
@@ -146,7 +145,8 @@ class Program:
         )
         self._residual_map: ResidualMap | None = None
         self._fwd_res_lowered = None
-        self._executables: dict[str, jax.stages.Compiled] = {}
+        self._compiled: dict[str, jax.stages.Compiled] = {}
+        self._executables: dict[str, Callable[..., list]] = {}
 
     # -- traced bodies -----------------------------------------------------------------
     def _results(self, leaves) -> tuple[list, _Structure]:
@@ -173,8 +173,13 @@ class Program:
 
     def _traced_results(self, leaves) -> list:
         results, structure = self._results(leaves)
-        internal_assert(structure == self._structure,
-                        f"{self.name} traced to another output structure than at construction")
+        if structure != self._structure:
+            raise NotImplementedError(
+                f"{self.name}: the function returned {structure} when traced again, but "
+                f"{self._structure} when first traced; its outputs and the state it writes "
+                f"back must depend on the shapes and dtypes of its inputs alone (no Python "
+                f"state that changes between traces)."
+            )
         return results
 
     def _vjp(self, leaves):
@@ -209,7 +214,8 @@ class Program:
         self.trace_count += 1
         return self._traced_results(leaves)
 
-    def _forward_res_body(self, leaves) -> tuple[list, list, ResidualMap]:
+    def _forward_res_body(self, leaves, *fence) -> tuple[list, Learned]:
+        """Results then residual buffers, and the ``ResidualMap`` this trace learned."""
         self.trace_count += 1
         leaves = list(leaves)
         results, vjp = self._vjp(leaves)
@@ -235,7 +241,7 @@ class Program:
             residual_specs=tuple(LeafSpec(tuple(b.shape), np.dtype(b.dtype)) for b in buffers),
             offloaded=tuple(memory_space(b) != "device" for b in buffers),
         )
-        return results, buffers, residual_map
+        return results + buffers, Learned(residual_map)
 
     def _backward_body(self, saved_inputs, saved_outputs, residuals, cotangents, *fence):
         self.trace_count += 1
@@ -278,17 +284,9 @@ class Program:
         if self._residual_map is None:
             with self._lock:
                 if self._residual_map is None:
-                    found = []
-
-                    def body(leaves, *fence):
-                        results, buffers, residual_map = self._forward_res_body(leaves)
-                        found.append(residual_map)
-                        return results + buffers
-
-                    lowered = self._lower(body, self._avals(self.specs))
-                    (residual_map,) = found
+                    lowered = self._lower(self._forward_res_body, self._avals(self.specs))
                     self._fwd_res_lowered = lowered
-                    self._residual_map = residual_map
+                    self._residual_map = lowered.out_info[1].take()
         return self._residual_map
 
     def _backward_avals(self, rmap: ResidualMap) -> tuple:
@@ -299,21 +297,40 @@ class Program:
             self._avals(self.out_specs[k] for k in self.diff_out_index),
         )
 
-    def executable(self, kind: str) -> jax.stages.Compiled:
+    def executable(self, kind: str) -> Callable[..., list]:
         """The executable of one program (``PROGRAMS``), compiled at its first request.
 
         The torch side keeps what this returns per signature and calls it directly, with
-        the arguments of the method of the same name (and the fence, with ``fence=True``).
+        the arguments of the method of the same name (and the fence, with ``fence=True``);
+        it returns the flat list of result arrays.
         """
         exe = self._executables.get(kind)
         if exe is None:
             with self._lock:
                 exe = self._executables.get(kind)
                 if exe is None:
-                    exe = self._executables[kind] = self._compile_program(kind)
+                    exe = self._executables[kind] = self._callable(kind, self.compiled(kind))
         return exe
 
-    def _compile_program(self, kind: str):
+    @staticmethod
+    def _callable(kind: str, compiled: jax.stages.Compiled) -> Callable[..., list]:
+        if kind == "forward_with_residuals":
+            # Its results are (arrays, Learned(residual map)), the map as the lowering
+            # learned it (``residual_map``); a call takes the arrays.
+            return lambda *args: compiled(*args)[0]
+        return compiled
+
+    def compiled(self, kind: str) -> jax.stages.Compiled:
+        """The XLA executable of one program (for ``memory_analysis``, HLO text)."""
+        exe = self._compiled.get(kind)
+        if exe is None:
+            with self._lock:
+                exe = self._compiled.get(kind)
+                if exe is None:
+                    exe = self._compiled[kind] = self._compile_program(kind)
+        return exe
+
+    def _compile_program(self, kind: str) -> jax.stages.Compiled:
         if kind == "forward":
             return self._compile(self._forward_body, self._avals(self.specs))
         if kind == "forward_with_residuals":
@@ -383,8 +400,8 @@ class Program:
         names = (("forward", "backward_recompute") if recompute
                  else ("forward_with_residuals", "backward"))
         start = time.perf_counter()
-        fwd = self.executable(names[0])
+        fwd = self.compiled(names[0])
         mid = time.perf_counter()
-        bwd = self.executable(names[1])
+        bwd = self.compiled(names[1])
         end = time.perf_counter()
         return {names[0]: (fwd, mid - start), names[1]: (bwd, end - mid)}

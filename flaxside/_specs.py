@@ -1,7 +1,8 @@
 """The values that describe a program: its leaves and what its first trace learns.
 
 ``LeafSpec`` is one array leaf of a call; ``ResidualMap`` is how the backward rebuilds the
-VJP the forward traced (see ``flaxside/README.md``).
+VJP the forward traced (see ``flaxside/README.md``); ``Learned`` carries what a trace learns
+out of it as part of its result.
 """
 
 from __future__ import annotations
@@ -26,6 +27,44 @@ class LeafSpec:
     def aval(self) -> jax.ShapeDtypeStruct:
         """The abstract value JAX traces with."""
         return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+
+@jax.tree_util.register_static
+class Learned:
+    """A Python value a traced function returns next to its arrays, as JAX returns ``out_tree``.
+
+    A pytree node with no leaves: the value travels in the output's tree structure, so
+    ``jax.make_jaxpr(..., return_shape=True)``, ``Lowered.out_info``, ``lax.scan``'s stacked
+    outputs and ``custom_vjp`` residuals all hand it back. What a trace learns (an output
+    structure, a residual map, VJP labels) is thereby a result of that trace, never a
+    variable a trace fills for another to read. ``value`` must be hashable: JAX compares
+    tree structures.
+
+    JAX's compile caches keep the output tree structures of what ``jax.jit`` lowered, and so
+    this node, after its program is gone. ``take()`` hands the value over and leaves the node
+    empty, so that those caches hold nothing of ours (a residual map holds the VJP's jaxpr).
+    """
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value = value
+        self._hash = hash(value)
+
+    def take(self):
+        """The value, which this node then drops (it stays in JAX's caches, empty)."""
+        value, self.value = self.value, None
+        return value
+
+    def __eq__(self, other):
+        return (isinstance(other, Learned) and self._hash == other._hash
+                and other.value == self.value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"Learned({self.value!r})"
 
 
 def is_differentiable(dtype) -> bool:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flaxside._specs import Learned
 from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
@@ -75,7 +76,6 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
     # Layers per child segment at each level; the innermost level's children are layers.
     child = tuple(math.prod(lengths[k + 1 :]) for k in range(levels))
     checkpointed = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
-    vjp_labels = {}  # filled when the innermost forward is traced, read by its backward
 
     def run(flat, consts, start, count, c):
         def body(t, c):
@@ -87,6 +87,8 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
         # Per layer, what jax.vjp of the checkpointed layer keeps, minus the leaves that are
         # the layer's parameter slice, the consts or the index: those are re-read in the
         # backward instead of being stacked (a stacked copy of parameters is what we avoid).
+        # Returns the carry and (residuals stacked per layer, Learned((treedef, sources))):
+        # how to rebuild a layer's VJP from them, as the trace of one layer learned it.
         def body(c, t):
             i = start + t
             p = _take(flat, i)
@@ -96,20 +98,22 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
             known.update({id(x): ("p", k) for k, x in enumerate(jtu.tree_leaves(p))})
             known.update({id(x): ("k", k) for k, x in enumerate(jtu.tree_leaves(consts))})
             sources, residuals = label_leaves(leaves, known)
-            vjp_labels["treedef"], vjp_labels["sources"] = treedef, sources
-            return out, residuals
+            return out, (residuals, Learned((treedef, sources)))
 
         return lax.scan(body, c, jnp.arange(lengths[-1]))
 
     def backward_layers(flat, consts, start, saved, ct, grads):
+        saved, learned = saved
+        treedef, sources = learned.value
+
         def body(state, xs):
             ct, grads = state
             t, residuals = xs
             i = start + t
             pools = {"i": [i], "p": jtu.tree_leaves(_take(flat, i)), "res": residuals,
                      "k": jtu.tree_leaves(consts)}
-            leaves = [pools[kind][k] for kind, k in vjp_labels["sources"]]
-            g, ct = jtu.tree_unflatten(vjp_labels["treedef"], leaves)(ct)
+            leaves = [pools[kind][k] for kind, k in sources]
+            g, ct = jtu.tree_unflatten(treedef, leaves)(ct)
             return (ct, _put(grads, i, g)), None
 
         xs = (jnp.arange(lengths[-1]), saved)

@@ -5,6 +5,7 @@ Nothing here is a stable API: it changes with the torch side that uses it (as
 """
 
 from flaxside._adapters import INVERTED_TRAIN_KWARGS as INVERTED_TRAIN_KWARGS
+from flaxside._adapters import Graph as Graph
 from flaxside._adapters import LinenAdapter as LinenAdapter
 from flaxside._adapters import NNXAdapter as NNXAdapter
 from flaxside._adapters import adapter_for as adapter_for
@@ -24,14 +25,17 @@ from flaxside._pack import unpack as unpack
 from flaxside._program import Program as Program
 from flaxside._program import internal_assert as internal_assert
 from flaxside._specs import LeafSpec as LeafSpec
+from flaxside._specs import Learned as Learned
 from flaxside._specs import ResidualMap as ResidualMap
 from flaxside._specs import is_differentiable as is_differentiable
 from flaxside._vjp_leaves import label_leaves as label_leaves
 
 __all__ = [
     "ARRAY",
+    "Graph",
     "INVERTED_TRAIN_KWARGS",
     "LeafSpec",
+    "Learned",
     "PACK_BYTES",
     "LinenAdapter",
     "NNXAdapter",

@@ -4,6 +4,7 @@ References are pure NNX: the module called eagerly, under ``nnx.jit``, and diffe
 with ``nnx.value_and_grad`` (which propagates graph changes as ``nnx.jit`` does).
 """
 
+import gc
 import re
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 import torch
 from flax import nnx
 
+from flaxside.internal import Graph
 from tests.test_corpus_nnx import Model  # the flax.nnx.scan docstring model
 from torchside import FlaxModule
 
@@ -91,6 +93,40 @@ def test_two_forwards_then_one_backward_keep_each_graph(residuals):
         want_y, _, want_gx = _pure_step(ref, _j(x), _j(ct))
         torch.testing.assert_close(ys[k].detach(), _t(want_y), msg=f"forward {k}")
         torch.testing.assert_close(x.grad, _t(want_gx), msg=f"forward {k}")
+
+
+class Counter(nnx.Module):
+    """Counts its calls in a Python attribute: every call makes a graph never seen before."""
+
+    def __init__(self):
+        self.calls = 0
+        self.w = nnx.Param(jnp.array([0.5, -1.0]))
+
+    def __call__(self, x):
+        self.calls += 1
+        return x * self.w[...] * self.calls
+
+
+def test_graphs_live_only_as_long_as_the_module_and_its_cached_signatures():
+    # A recompile per call is what this module asks for: no warning (which would keep the
+    # signatures it reports), 2 cached signatures.
+    m = FlaxModule(Counter(), cache_size=2, recompile_warning=None)
+    ref = Counter()
+    for call in range(8):
+        x = torch.randn(2, requires_grad=True)
+        y = m(x)
+        y.sum().backward()
+        want_y, _, want_gx = _pure_step(ref, _j(x), jnp.ones(2))
+        torch.testing.assert_close(y.detach(), _t(want_y), msg=f"call {call}")
+        torch.testing.assert_close(x.grad, _t(want_gx), msg=f"call {call}")
+    assert m.flax_module.calls == ref.calls == 8
+    gc.collect()
+    graphs = [o for o in gc.get_objects() if type(o) is Graph]
+    # the module's current graph and the 2 cached signatures' graphs (with those they return)
+    assert len(graphs) <= 2 * 2 + 1, len(graphs)
+    del m, graphs, x, y  # y.grad_fn holds its entry
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is Graph]
 
 
 # -- a forward that creates state -------------------------------------------------------

@@ -112,7 +112,8 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         # An NNX module holds its own arrays (a second copy of every parameter, on JAX's
         # default device): torch's copy is the state, so the module itself is not kept.
         self._linen = None if self._nnx else module
-        self._graph = 0  # NNX: the id of the module graph the next call uses
+        # NNX: the module graph the next call uses (flaxside.internal.Graph).
+        self._graph = adapter.graph if self._nnx else None
         n = len(self._refs)
         state_treedef = jtu.tree_structure(
             (adapter.treedef.unflatten([0] * n), 0 if rngs else None))
@@ -133,7 +134,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
             return self._linen
         from flax import nnx
 
-        model = nnx.merge(self._adapter.graph(self._graph), *self.flax_variables())
+        model = nnx.merge(self._graph.graphdef, *self.flax_variables())
         model.train() if self.training else model.eval()
         return model
 
