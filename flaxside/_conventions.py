@@ -49,3 +49,11 @@ def output_name(treedef, index: int) -> str:
     paths = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
     path = jtu.keystr(paths[index][0])
     return f"output {path}" if path else "the output"
+
+
+def internal_assert(condition: bool, message: str) -> None:
+    """Raises when flaxtorch's own invariant breaks: a bug of ours, never the user's."""
+    if not condition:
+        raise AssertionError(
+            f"flaxtorch internal error: {message}. This is a bug in flaxtorch; please report it."
+        )

@@ -45,14 +45,6 @@ jtu = jax.tree_util
 PROGRAMS = ("forward", "forward_with_residuals", "backward", "backward_recompute")
 
 
-def internal_assert(condition: bool, message: str) -> None:
-    """Raises when flaxtorch's own invariant breaks: a bug of ours, never the user's."""
-    if not condition:
-        raise AssertionError(
-            f"flaxtorch internal error: {message}. This is a bug in flaxtorch; please report it."
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Structure:
     """What one trace of ``fn`` returns besides arrays; equal for every trace."""

@@ -10,6 +10,7 @@ from flaxside._adapters import LinenAdapter as LinenAdapter
 from flaxside._adapters import NNXAdapter as NNXAdapter
 from flaxside._adapters import adapter_for as adapter_for
 from flaxside._adapters import init_linen as init_linen
+from flaxside._conventions import internal_assert as internal_assert
 from flaxside._depends import input_masks as input_masks
 from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
@@ -23,7 +24,6 @@ from flaxside._pack import pack as pack
 from flaxside._pack import pack_plan as pack_plan
 from flaxside._pack import unpack as unpack
 from flaxside._program import Program as Program
-from flaxside._program import internal_assert as internal_assert
 from flaxside._specs import LeafSpec as LeafSpec
 from flaxside._specs import Learned as Learned
 from flaxside._specs import ResidualMap as ResidualMap

@@ -6,10 +6,11 @@ import jax
 import torch
 
 import bridge
-from flaxside.internal import adapter_for, init_linen, key_data_shape, program_report
-from torchside._build import for_owner, jax_device_for
+from flaxside.internal import adapter_for, key_data_shape, program_report
+from torchside._build import jax_device_for
 from torchside._call import Caller, Settings, split_args
 from torchside._compile import compiled_call
+from torchside._init import init_linen_from_torch
 from torchside._options import check_choice
 from torchside._owner import CallerOwner
 from torchside._variables import attach_variables
@@ -100,7 +101,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         # CPU unless set otherwise), whatever JAX's default device is (NOTE [Devices]).
         device = bridge.internal.default_torch_device()
         if variables is None and hasattr(module, "init") and not _is_nnx(module):
-            variables = _init_linen(module, seed, rngs, tuple(example_args),
+            variables = init_linen_from_torch(module, seed, rngs, tuple(example_args),
                                     dict(example_kwargs or {}), where, device)
         adapter = adapter_for(module, variables, where=where, rng_streams=rngs,
                               train_kwarg=train_kwarg)
@@ -341,45 +342,6 @@ def _held_besides_residuals(entry) -> list:
     rmap = program.residual_map()
     return ([s for s in rng if entry.n_vars in rmap.saved_inputs]
             + [program.out_specs[k] for k in rmap.saved_outputs if k >= entry.n_out])
-
-
-def _init_linen(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where: str,
-                device: torch.device):
-    """Linen ``module.init`` on the example arguments, run on the JAX device of ``device``.
-
-    Errors say what to pass.
-    """
-    def convert(tree, label):
-        paths, treedef = jtu.tree_flatten_with_path(tree)
-        return jtu.tree_unflatten(treedef, [
-            _example(x, f"{label}{jtu.keystr(p)}", where) if isinstance(x, torch.Tensor)
-            else x for p, x in paths])
-
-    init_rngs = {"params": jax.random.key(seed)}
-    init_rngs.update({name: jax.random.key(seed + 1 + i) for i, name in enumerate(rngs)})
-    args, kwargs = convert(args, "example_args"), convert(kwargs, "example_kwargs")
-    try:
-        return init_linen(module, init_rngs, args, kwargs,
-                          device=bridge.jax_device(device, name="example_args"))
-    except TypeError as e:
-        if args or kwargs or "argument" not in str(e):
-            raise
-        raise TypeError(
-            f"{where}: a Linen module is initialized by calling module.init with example "
-            f"inputs, and none were given ({e}). Pass example_args=(torch.zeros(batch, "
-            f"features),) (shapes and dtypes like the real inputs), or variables= with "
-            f"existing Flax variables."
-        ) from e
-
-
-def _example(tensor: torch.Tensor, name: str, where: str):
-    """An example argument for ``init`` as JAX sees it: int64 narrowed as calls narrow it."""
-    if bridge.internal.narrows_to_int32(tensor.dtype):
-        try:
-            tensor = bridge.internal.narrow_to_int32(tensor, name=name)
-        except TypeError as e:
-            raise for_owner(e, where) from None
-    return bridge.to_jax(tensor, name=name)
 
 
 def _cast(t, dtype):
