@@ -30,7 +30,8 @@ JAX's work after torch's and torch's after JAX's:
   torch has queued, before JAX reads anything. Results are exported to torch's current
   stream (``torch.from_dlpack`` passes it to JAX's ``__dlpack__``), so torch's next work,
   a write to an output included, waits for JAX's. ``record_ordering`` records these
-  steps, so that tests check them on a CPU (``tests/test_exchange_ordering.py``).
+  steps, so that tests check them on a CPU (``tests/test_exchange_ordering.py``). Exit
+  waits for JAX to let go of every import (NOTE [Imports at exit], ``bridge/_imports.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from bridge import _devices, _dtypes
+from bridge._imports import imported
 
 ALIGNMENT = 64  # bytes; XLA's CPU client copies host buffers aligned less than this.
 
@@ -275,7 +277,7 @@ class DlpackExchange:
         tensor = logical(tensor.detach())
         if 0 in tensor.shape:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
-        return jax.dlpack.from_dlpack(tensor)
+        return imported(tensor, jax.dlpack.from_dlpack(tensor))
 
     def hold(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
@@ -288,7 +290,8 @@ class DlpackExchange:
             raise _elsewhere(tensor, self.torch_device)
         if not _holdable(tensor) or 0 in tensor.shape:
             return None
-        array = jax.dlpack.from_dlpack(tensor.detach())
+        exported = tensor.detach()
+        array = imported(exported, jax.dlpack.from_dlpack(exported))
         if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold
             return None
         return array
@@ -301,7 +304,8 @@ class DlpackExchange:
         """
         device = self.torch_device
         # torch's current stream -> event -> JAX's stream, after everything torch queued.
-        fence = jax.dlpack.from_dlpack(self._fence)
+        exported = self._fence.detach()  # its own object, to see JAX let go (_imports)
+        fence = imported(exported, jax.dlpack.from_dlpack(exported))
         if _recorders:
             _record("torch->jax", device)
             _record("run", device, name)
