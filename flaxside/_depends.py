@@ -32,3 +32,27 @@ def input_masks(jaxpr) -> list[int]:
             for v in eqn.outvars:
                 masks[v] = m
     return [masks.get(v, 0) if isinstance(v, Var) else 0 for v in jaxpr.outvars]
+
+
+def linear_in_cotangent(jaxpr) -> bool:
+    """Whether the VJP of ``jaxpr`` is linear in its cotangent, and safe to scale after.
+
+    JAX's own rules are: a VJP is the transpose of a linear map. A ``custom_vjp`` rule may
+    be anything (``jnp.sign`` of the gradient, clipping), and float16 values may underflow
+    for a cotangent of one that a scaled loss (``torch.amp.GradScaler``) would keep. Either,
+    anywhere in ``jaxpr`` or the jaxprs its equations call, answers ``False``.
+    """
+    for v in jaxpr.invars:
+        if getattr(v.aval, "dtype", None) == "float16":
+            return False
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("custom_vjp"):
+            return False
+        if any(getattr(v.aval, "dtype", None) == "float16" for v in eqn.outvars):
+            return False
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if hasattr(sub, "eqns") and not linear_in_cotangent(sub):
+                    return False
+    return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import flax.linen as nn
 import jax
@@ -169,9 +170,30 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, device=N
         program, param_bytes=_nbytes(s for s, p in zip(specs, param_mask, strict=False) if p))
 
 
+def compile_for_report(program: Program, recompute: bool = False,
+                       fused: bool = False) -> dict[str, tuple]:
+    """Compiles the programs a training call of ``program`` runs, from the specs alone.
+
+    No data is needed or allocated. ``recompute``: those of ``residuals="recompute"``
+    (``forward``, ``backward_recompute``); ``fused``: ``value_and_grad`` alone (a scalar
+    loss); else ``forward_with_residuals`` and ``backward``.
+
+    Returns:
+        ``{name: (compiled, seconds)}`` in call order, seconds covering trace, lowering and
+        compilation.
+    """
+    names = (("value_and_grad",) if fused else ("forward", "backward_recompute")
+             if recompute else ("forward_with_residuals", "backward"))
+    out = {}
+    for name in names:
+        start = time.perf_counter()
+        out[name] = (program.compiled(name), time.perf_counter() - start)
+    return out
+
+
 def program_report(program: Program, *, param_bytes: int, held=(),
-                   recompute: bool = False) -> MemoryReport:
-    """The ``MemoryReport`` of the two programs a training call of ``program`` runs.
+                   recompute: bool = False, fused: bool = False) -> MemoryReport:
+    """The ``MemoryReport`` of the programs a training call of ``program`` runs.
 
     Args:
         program: the compiled programs of one call signature.
@@ -179,18 +201,26 @@ def program_report(program: Program, *, param_bytes: int, held=(),
         held: ``LeafSpec``s of what the call holds besides ``program``'s residuals (the
             torch side's saved RNG keys and state copies, for instance).
         recompute: the ``residuals="recompute"`` programs, which hold no residuals.
+        fused: the ``value_and_grad`` program of a scalar loss, which holds the gradient
+            buffers (``held`` is ignored: nothing else is kept); its backward is a scaling
+            done by the caller, with no program and no scratch.
     """
-    compiled = program.compile_for_report(recompute=recompute)
-    (fwd, fwd_s), (bwd, bwd_s) = compiled.values()
-    held = list(held) if recompute else [*program.residual_map().residual_specs, *held]
-    fwd_mem, bwd_mem = fwd.memory_analysis(), bwd.memory_analysis()
+    compiled = compile_for_report(program, recompute=recompute, fused=fused)
+    if fused:
+        ((fwd, fwd_s),) = compiled.values()
+        bwd, bwd_s, held = None, 0.0, list(program.grad_specs)
+    else:
+        (fwd, fwd_s), (bwd, bwd_s) = compiled.values()
+        held = list(held) if recompute else [*program.residual_map().residual_specs, *held]
+    fwd_mem = fwd.memory_analysis()
+    bwd_temp = 0 if bwd is None else getattr(bwd.memory_analysis(), "temp_size_in_bytes", None)
     placed = {d for s in jtu.tree_leaves((fwd.input_shardings, fwd.output_shardings))
               for d in s.device_set}
     return MemoryReport(
         held_bytes=_nbytes(held),
         param_bytes=param_bytes,
         forward_temp_bytes=getattr(fwd_mem, "temp_size_in_bytes", None),
-        backward_temp_bytes=getattr(bwd_mem, "temp_size_in_bytes", None),
+        backward_temp_bytes=bwd_temp,
         compile_seconds=fwd_s + bwd_s,
         residual_count=len(held),
         device=", ".join(sorted(map(describe, placed))),

@@ -6,7 +6,11 @@ one flat list of array leaves (the owner's variables first, then the call's arra
 * ``forward(leaves) -> results``: outputs then aux leaves; nothing kept for a backward;
 * ``forward_with_residuals(leaves) -> results + residuals`` (one flat list);
 * ``backward(saved_inputs, saved_outputs, residuals, cotangents) -> gradient buffers``;
-* ``backward_recompute(leaves, cotangents) -> gradient buffers`` (forward rerun inside).
+* ``backward_recompute(leaves, cotangents) -> gradient buffers`` (forward rerun inside);
+* ``value_and_grad(leaves) -> results + gradient buffers``, when the one differentiable
+  output is a real scalar and the VJP is linear in it (``scalar_loss``): the gradients for
+  a cotangent of one, in the one program JAX's ``jit(value_and_grad)`` compiles; any
+  other cotangent scales them.
 
 Every executable is lowered for one device (``device``; see ``_device.py``): its arguments
 are placed there and its results come back there, whatever JAX's default device is.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxside._conventions import conj, distinct, memory_space, output_name
-from flaxside._depends import input_masks
+from flaxside._depends import input_masks, linear_in_cotangent
 from flaxside._device import aval, compiling_for
 from flaxside._leaves import is_key
 from flaxside._pack import pack, pack_plan, unpack
@@ -42,7 +45,8 @@ from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
 
-PROGRAMS = ("forward", "forward_with_residuals", "backward", "backward_recompute")
+PROGRAMS = ("forward", "forward_with_residuals", "backward", "backward_recompute",
+            "value_and_grad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,12 @@ class Program:
             for k, (o, m) in enumerate(zip(closed.out_avals, masks, strict=True))
         )
         self.diff_out_index = tuple(k for k, s in enumerate(self.out_specs) if s.diff)
+        # One real scalar to differentiate (a loss) and a VJP linear in its cotangent:
+        # value_and_grad applies, its gradients times a real cotangent being the VJP's.
+        self.scalar_loss = len(self.diff_out_index) == 1 and (
+            self.out_specs[self.diff_out_index[0]].shape == ()
+            and np.issubdtype(self.out_specs[self.diff_out_index[0]].dtype, np.floating)
+            and linear_in_cotangent(closed.jaxpr))
         used = 0
         for m in masks:
             used |= m
@@ -254,6 +264,13 @@ class Program:
         grads = [conj(g) for g in vjp(self._cotangents(cotangents))]
         return pack(distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
 
+    def _value_and_grad_body(self, leaves, *fence):
+        self.trace_count += 1
+        results, vjp = self._vjp(list(leaves))
+        spec = self.out_specs[self.diff_out_index[0]]
+        grads = [conj(g) for g in vjp(self._cotangents([jnp.ones(spec.shape, spec.dtype)]))]
+        return results + pack(distinct(grads, list(leaves) + results), self.grad_pack)
+
     # -- compilation -------------------------------------------------------------------
     def _avals(self, specs) -> list:
         """Abstract arguments placed on the program's device."""
@@ -335,6 +352,8 @@ class Program:
         if kind == "backward_recompute":
             return self._compile(self._backward_recompute_body, self._avals(self.specs),
                                  self._avals(self.out_specs[k] for k in self.diff_out_index))
+        if kind == "value_and_grad" and self.scalar_loss:
+            return self._compile(self._value_and_grad_body, self._avals(self.specs))
         raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
 
     # -- calls -------------------------------------------------------------------------
@@ -374,26 +393,3 @@ class Program:
         held between ``forward`` and this call.
         """
         return self.executable("backward_recompute")(leaves, cotangents, *fence)
-
-    def compile_for_report(self, recompute: bool = False) -> dict[str, tuple]:
-        """Lowers and compiles the two programs a training call runs, from the specs alone.
-
-        No data is needed or allocated. Used by ``flaxside.memory_report``.
-
-        Args:
-            recompute: the programs of ``residuals="recompute"`` (``forward`` and
-                ``backward_recompute``) instead of ``forward_with_residuals`` and
-                ``backward``.
-
-        Returns:
-            ``{name: (compiled, seconds)}`` for the forward then the backward program,
-            seconds covering trace, lowering and compilation.
-        """
-        names = (("forward", "backward_recompute") if recompute
-                 else ("forward_with_residuals", "backward"))
-        start = time.perf_counter()
-        fwd = self.compiled(names[0])
-        mid = time.perf_counter()
-        bwd = self.compiled(names[1])
-        end = time.perf_counter()
-        return {names[0]: (fwd, mid - start), names[1]: (bwd, end - mid)}

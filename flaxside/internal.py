@@ -18,6 +18,7 @@ from flaxside._leaves import WriteBack as WriteBack
 from flaxside._leaves import is_key as is_key
 from flaxside._leaves import key_data_shape as key_data_shape
 from flaxside._leaves import wrap_keys as wrap_keys
+from flaxside._memory import compile_for_report as compile_for_report
 from flaxside._memory import program_report as program_report
 from flaxside._pack import PACK_BYTES as PACK_BYTES
 from flaxside._pack import pack as pack
@@ -43,6 +44,7 @@ __all__ = [
     "ResidualMap",
     "WriteBack",
     "adapter_for",
+    "compile_for_report",
     "flat_apply",
     "init_linen",
     "input_masks",

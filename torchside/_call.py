@@ -51,7 +51,7 @@ from torchside._recompile import RecompileMonitor
 
 jtu = jax.tree_util
 
-RESIDUAL_MODES = ("save", "recompute")
+RESIDUAL_MODES = ("save", "split", "recompute")
 _CPU = torch.device("cpu")
 
 # Callers by compile id, for torch.compile's ops, which carry only ints and strings. Weak:
@@ -138,7 +138,7 @@ class Caller:
 
     Args:
         settings: what the owner fixes at construction.
-        residuals: the boundary mode, ``"save"`` or ``"recompute"``.
+        residuals: the boundary mode, one of ``RESIDUAL_MODES`` (``FlaxModule``).
         cache_size: how many signatures keep their entries (LRU).
         recompile_warning: warn once (``RecompileWarning``) after this many distinct
             signatures, naming what changes; ``None`` never warns.
@@ -156,8 +156,9 @@ class Caller:
         self.where = where
         self.residuals = check_choice(
             residuals, RESIDUAL_MODES, option="residuals", where=where,
-            meaning="Use 'save' to hold what the remat policy keeps, or 'recompute' to hold "
-                    "only the inputs.")
+            meaning="Use 'save' to hold what the remat policy keeps (the gradients, for a "
+                    "scalar loss), 'split' to hold that even for a scalar loss, or "
+                    "'recompute' to hold only the inputs.")
         self.cache_size = check_positive_int(
             cache_size, option="cache_size", where=where,
             meaning="how many call signatures keep their compiled programs")
@@ -205,7 +206,7 @@ class Caller:
                 pass
         else:
             built = _build.build(self.settings, sig, values, self.monitor)
-            entry = Entry(built, sig.exchange, self.residuals == "recompute", next(self._keys))
+            entry = Entry(built, sig.exchange, self.residuals, next(self._keys))
             with self._lock:
                 self._cache[sig] = entry
                 while len(self._cache) > self.cache_size:

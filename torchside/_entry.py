@@ -27,6 +27,8 @@ class Entry:
             aux results replace, and the NNX graph after the call).
         exchange: how tensors cross (``bridge.internal.exchange_for``).
         recompute: ``residuals="recompute"``.
+        fuses: a grad-enabled eager call runs ``value_and_grad`` (``residuals="save"`` and a
+            scalar loss; NOTE [Scalar loss]).
         names, n_vars, n_state, device, narrow: as ``_build.Built`` has them.
         rng_used: whether the programs read the RNG leaf (else no key is drawn).
         nondiff_out: results torch treats as non-differentiable (ints, aux, outputs that
@@ -35,16 +37,17 @@ class Entry:
         key: a small int naming the entry inside its caller (``torch.compile``'s ops).
     """
 
-    __slots__ = ("program", "exchange", "recompute", "names", "n_vars", "n_state", "device",
-                 "narrow", "rng_used", "write_back", "writes", "n_out", "n_results",
+    __slots__ = ("program", "exchange", "recompute", "fuses", "names", "n_vars", "n_state",
+                 "device", "narrow", "rng_used", "write_back", "writes", "n_out", "n_results",
                  "out_treedef", "nondiff_out", "diff_out_index", "grad_slots", "key",
                  "_executables", "_rmap", "_zero_cots", "_unreached", "_rng_zeros", "_unpack")
 
-    def __init__(self, built, exchange, recompute: bool, key: int):
+    def __init__(self, built, exchange, residuals: str, key: int):
         program = built.program
         self.program = program
         self.exchange = exchange
-        self.recompute = recompute
+        self.recompute = residuals == "recompute"
+        self.fuses = residuals == "save" and program.scalar_loss
         self.names, self.n_vars, self.n_state = built.names, built.n_vars, built.n_state
         self.device = built.device
         self.narrow = frozenset(built.narrow)
@@ -110,14 +113,20 @@ class Entry:
         return state_arrays + [view(self.narrowed(j, t) if j in self.narrow else t)
                                for j, t in enumerate(leaves[self.n_state :], self.n_state)]
 
-    def forward(self, state_arrays: list, leaves) -> tuple[list, list, list | None]:
+    def forward(self, state_arrays: list, leaves,
+                fuse: bool = False) -> tuple[list, list, list | None]:
         """``(results, residual tensors, JAX arrays kept for the backward)`` of one call.
 
         Without a gradient to take, or in recompute mode, the plain forward: no residuals.
+        With ``fuse`` (eager calls) and ``self.fuses``: the results and the gradient buffers
+        of ``value_and_grad``, and ``FUSED``.
         """
         arrays = self.arrays(state_arrays, leaves)
         if not self.grad_slots or self.recompute:
             return self.run("forward", arrays)[1], [], None
+        if fuse and self.fuses:
+            tensors = self.run("value_and_grad", arrays)[1]
+            return tensors[: self.n_results], tensors[self.n_results :], FUSED
         out, tensors = self.run("forward_with_residuals", arrays)
         n = self.n_results
         kept = [out[k] for k in self.residual_map().saved_outputs] + list(out[n:])
@@ -178,6 +187,19 @@ class Entry:
         b = a + len(rmap.saved_outputs)
         return self.run("backward", arrays[:a], arrays[a:b], arrays[b:], cots)[1]
 
+    @staticmethod
+    def scaled(buffers, cotangent: torch.Tensor, first: bool) -> list[torch.Tensor]:
+        """The fused gradient buffers for ``cotangent`` (NOTE [Scalar loss]).
+
+        A CPU cotangent of exactly one (``loss.backward()``) hands the buffers over as they
+        are at the first backward; otherwise, and on CUDA (reading the value would wait for
+        the device), each is multiplied into a new buffer, so that a second backward
+        (``retain_graph=True``) never reads a buffer torch has accumulated into.
+        """
+        if first and cotangent.device.type == "cpu" and cotangent.item() == 1:
+            return list(buffers)
+        return [b * cotangent for b in buffers]
+
     def gradients(self, buffers: list[torch.Tensor], cots) -> list:
         """Per leaf its gradient: views into the packed buffers, ``None`` where unreached.
 
@@ -213,6 +235,21 @@ class Entry:
             none = frozenset(p for p in range(len(self.grad_slots)) if not reach >> p & 1)
             self._unreached[used] = none
         return none
+
+
+# NOTE [Scalar loss]. When the one differentiable output of a call is a real scalar (a loss
+# computed inside the block), its VJP is linear in the cotangent (no ``custom_vjp`` rule, no
+# float16 value: ``flaxside``'s ``linear_in_cotangent``) and ``residuals="save"``, a
+# grad-enabled eager call runs
+# ``value_and_grad``: the loss and its gradients for a cotangent of one, in the one program
+# JAX compiles for ``jit(value_and_grad)``, instead of a forward that writes residuals and a
+# backward that reads them. What it holds for backward is the gradient buffers (saved with
+# ``ctx.save_for_backward``, so saved-tensor hooks and ``memory_report`` see them); the
+# backward multiplies them by the incoming gradient (the VJP is linear over the reals), and
+# runs no program. The cost: a forward that is never followed by a backward computed the
+# gradients for nothing (evaluate under ``torch.no_grad()``). ``torch.compile`` calls keep
+# the two programs.
+FUSED = object()  # what ``Entry.forward`` returns as ``kept`` on the fused route
 
 
 def save_for_backward(ctx, entry: Entry, leaves, results, residuals, kept=None) -> None:
@@ -252,12 +289,17 @@ class BridgeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, entry: Entry, held: HeldArrays, state_arrays: list, *leaves):
-        results, residuals, kept = entry.forward(state_arrays, leaves)
+        results, residuals, kept = entry.forward(state_arrays, leaves, fuse=True)
         ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out))
         # Unused outputs get no gradient: materialised, each would be a zero tensor
         # allocated per backward.
         ctx.set_materialize_grads(False)
-        save_for_backward(ctx, entry, leaves, results, residuals, kept)
+        ctx.fused = kept is FUSED
+        if ctx.fused:  # NOTE [Scalar loss]: the gradient buffers are what is held
+            ctx.save_for_backward(*residuals)
+            ctx.first = True
+        else:
+            save_for_backward(ctx, entry, leaves, results, residuals, kept)
         ctx.entry, ctx.held = entry, held
         return tuple(results)
 
@@ -281,7 +323,13 @@ class BridgeFunction(torch.autograd.Function):
                 f"needs only its first derivative), or differentiate without create_graph."
             )
         cots = [grads[k] for k in entry.diff_out_index]
-        buffers = entry.backward(ctx.held, ctx.saved_tensors, ctx.kept, cots)
+        if ctx.fused:
+            if cots[0] is None:  # the loss reached the backward without a gradient
+                return (None,) * (3 + len(entry.names))
+            buffers = entry.scaled(ctx.saved_tensors, cots[0], ctx.first)
+            ctx.first = False
+        else:
+            buffers = entry.backward(ctx.held, ctx.saved_tensors, ctx.kept, cots)
         return (None, None, None, *entry.gradients(buffers, cots))
 
 

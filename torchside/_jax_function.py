@@ -57,7 +57,7 @@ def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_s
     Args:
         fn: the JAX function; returns an array or a pytree of arrays. Usable as a decorator
             with or without arguments.
-        residuals: ``"save"`` or ``"recompute"`` (see ``FlaxModule``).
+        residuals: ``"save"``, ``"split"`` or ``"recompute"`` (see ``FlaxModule``).
         cache_size: how many call signatures keep their compiled programs (LRU).
         recompile_warning: after this many distinct call signatures, warn once with a
             ``RecompileWarning`` naming what changes; ``None`` never warns.

@@ -51,8 +51,13 @@ class FlaxModule(CallerOwner, torch.nn.Module):
             reproducible, and the backward (and any recompute) reuses the forward's keys.
         train_kwarg: the Linen keyword argument that receives the train/eval mode.
         residuals: ``"save"`` holds exactly what the Flax remat policy keeps between forward
-            and backward; ``"recompute"`` holds only the inputs and reruns the forward in the
-            backward, like ``torch.utils.checkpoint`` around the whole block.
+            and backward, except for a scalar loss: when the one differentiable output is a
+            real scalar, a grad-enabled eager call runs one fused program (JAX's
+            ``jit(value_and_grad)``) at forward and holds the gradients, which the backward
+            scales by the incoming gradient (README, "Routes"). ``"split"`` holds the
+            policy's residuals for a scalar loss too (two programs); ``"recompute"`` holds
+            only the inputs and reruns the forward in the backward, like
+            ``torch.utils.checkpoint`` around the whole block.
         autocast: behaviour under ``torch.autocast``: ``"outputs"`` (default) runs the
             block in its parameters' dtype (floating inputs are cast to it) and casts
             floating outputs to the autocast dtype, as torch casts a Linear's output;
@@ -159,7 +164,9 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         device the call would run on. Every floating argument counts as requiring grad, as
         for a block inside a network. ``held_bytes`` is what the call saves for backward
         besides the parameters, buffers, arguments and outputs: the residuals, a drawn RNG
-        key, copies of written-back state. The compiled programs stay cached for the call.
+        key, copies of written-back state; for a scalar loss with ``residuals="save"``, the
+        gradient buffers (NOTE [Scalar loss] in ``_entry.py``). The compiled programs stay
+        cached for the call.
 
         Returns:
             A ``flaxside.MemoryReport``; ``print`` it for a table.
@@ -194,7 +201,8 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         param_bytes = sum(t.numel() * t.element_size()
                           for t, p in zip(variables, self._is_param, strict=True) if p)
         return program_report(entry.program, param_bytes=param_bytes,
-                              held=_held_besides_residuals(entry), recompute=entry.recompute)
+                              held=_held_besides_residuals(entry), recompute=entry.recompute,
+                              fused=entry.fuses)
 
     # -- the call -----------------------------------------------------------------------
     def _mode(self):
