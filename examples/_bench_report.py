@@ -148,8 +148,9 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def print_targets(results: dict) -> None:
-    rows = []
+def print_targets(results: dict, extra: list | None = None) -> None:
+    """The table of targets; ``extra`` rows (the real-model ones) come first."""
+    rows = list(extra or [])
     by_name = {r["name"]: r for r in results["workloads"]}
     for name, other, label in (
         ("TINY", "torch", "TINY bridge <= torch eager"),

@@ -56,8 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmark_out", help="folder for plots and json")
     parser.add_argument(
         "--only",
-        default="tiny,medium,deep,leaves,sweep,leafsweep",
-        help="comma-separated parts to run: tiny, medium, deep, leaves, sweep, leafsweep",
+        default="tiny,medium,deep,leaves,lm,sweep,leafsweep",
+        help="comma-separated parts to run: tiny, medium, deep, leaves, lm (real models), "
+             "sweep, leafsweep",
     )
     parser.add_argument(
         "--cpu-dispatch",
@@ -88,6 +89,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
+from _bench_lm import lm_rows, print_lm  # noqa: E402
 from _bench_measure import Bridge, PureJax, TorchEager, race  # noqa: E402
 from _bench_report import (  # noqa: E402
     fmt_time,
@@ -292,7 +294,7 @@ def main() -> None:
         flush=True,
     )
     start = time.perf_counter()
-    results = {"size": size_name, "workloads": [], "sweep": [], "leaf_sweep": None}
+    results = {"size": size_name, "workloads": [], "lm": [], "sweep": [], "leaf_sweep": None}
     for w in workloads(parts, size):
         t0 = time.perf_counter()
         results["workloads"].append(run_workload(w, size))
@@ -302,6 +304,10 @@ def main() -> None:
         row = sync_tiny_row(size_name)
         if row is not None:
             results["workloads"].append(row)
+    if "lm" in parts:
+        t0 = time.perf_counter()
+        results["lm"] = lm_rows(size)
+        print(f"  LM: GPT-2-shaped models: {time.perf_counter() - t0:.0f} s", flush=True)
     if "sweep" in parts:
         print(f"  sweep over depths {size['depths']} (width 64, batch 32)", flush=True)
         results["sweep"] = sweep(size["depths"], size)
@@ -324,7 +330,7 @@ def main() -> None:
         print_leaf_sweep(results["leaf_sweep"], fmt_time)
         path = os.path.join(args.out, "time_vs_leaves.png")
         print(f"wrote {plot_leaf_sweep(results['leaf_sweep'], path)}")
-    print_targets(results)
+    print_targets(results, print_lm(results["lm"], fmt_time) if results["lm"] else [])
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
 

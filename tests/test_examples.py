@@ -22,6 +22,7 @@ TINY_ARGS = {
                        "--rounds", "1"],  # without a GPU it says so and exits 0
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
     "benchmark.py": ["--smoke", "--out", "{out}"],
+    "exit_aborts.py": ["--runs", "1"],
     "train_lm.py": ["--steps", "30", "--layers", "2", "--width", "32", "--heads", "2",
                     "--batch", "8", "--context", "16", "--eval-batches", "2",
                     "--sample-chars", "40", "--log-every", "10"],
@@ -89,12 +90,23 @@ def _check_benchmark(done, out) -> None:
     assert leaves["counts"] == [1, 4] and leaves["mismatch"] < 1e-4
     assert set(leaves["per_leaf"]) == {"bridge", "pure JAX", "torch"}
     assert "Targets" in done.stdout
+    lm = {r["name"]: r for r in results["lm"]}
+    assert "own Linen GPT-2" in lm
+    for r in lm.values():  # the JAX routes compute one loss
+        assert r["mismatch"] < 1e-5 and set(r["times"]) == {
+            "pure JAX", "pure JAX split", "bridge, loss in torch", "bridge, loss inside",
+            "torch eager"}, r
+
+
+def _check_exit_aborts(done, out) -> None:
+    assert "exit handler registered: 0 of 1 exits aborted" in done.stdout, done.stdout
 
 
 CHECKS = {
     "train_digits.py": _check_train_digits,
     "benchmark.py": _check_benchmark,
     "train_lm.py": _check_train_lm,
+    "exit_aborts.py": _check_exit_aborts,
 }
 
 
