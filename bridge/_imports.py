@@ -7,8 +7,9 @@ on that thread and takes the GIL to release the tensor's Python object. Once the
 interpreter is finalizing, a thread that asks for the GIL is ended with ``pthread_exit``,
 whose unwinding through C++ frames that may not throw aborts the process ("terminate called
 without an active exception"; measured on CPU with ``FLAXTORCH_EXCHANGE=dlpack``: 6 exits
-in 30 of a script whose last line is a backward). On a GPU JAX releases a run's inputs from
-a thread of its own too, once the stream has passed the run.
+in 30 of a script whose last line is a backward). On a GPU, JAX's client may well release a
+run's inputs from a thread of its own too, once the stream has passed the run (not seen:
+no GPU has run this code), so the same wait applies there.
 
 So every import the exchange makes is recorded here as a pair of weak references, to the
 tensor object torch exported (a fresh ``detach()`` nobody else holds) and to the JAX array
