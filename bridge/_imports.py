@@ -6,8 +6,8 @@ that drop is the last reference to a tensor torch exported by DLPack, torch's de
 on that thread and takes the GIL to release the tensor's Python object. Once the
 interpreter is finalizing, a thread that asks for the GIL is ended with ``pthread_exit``,
 whose unwinding through C++ frames that may not throw aborts the process ("terminate called
-without an active exception"; measured on CPU with ``FLAXTORCH_EXCHANGE=dlpack``: 6 exits
-in 30 of a script whose last line is a backward). On a GPU, JAX's client may well release a
+without an active exception"; ``examples/exit_aborts.py`` counts such exits on CPU with
+``FLAXTORCH_EXCHANGE=dlpack``). On a GPU, JAX's client may well release a
 run's inputs from a thread of its own too, once the stream has passed the run (not seen:
 no GPU has run this code), so the same wait applies there.
 

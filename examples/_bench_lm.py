@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_measure import race  # noqa: E402
+from _bench_measure import Contestant, race  # noqa: E402
 from train_lm import Block  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402
@@ -150,13 +150,11 @@ class _HFTwin(torch.nn.Module):
         return self.model(ids).logits
 
 
-class _Contestant:
+class _Contestant(Contestant):
+    """A contestant made of a function: ``call`` runs one step, ``params`` are cleared."""
+
     def __init__(self, name, call, params):
         self.name, self.call, self.params = name, call, params
-
-    def reset(self):
-        for p in self.params:
-            p.grad = None
 
 
 def lm_rows(size: dict) -> list[dict]:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxside._conventions import conj, distinct, memory_space, output_name
+from flaxside._conventions import conj, distinct, internal_assert, memory_space, output_name
 from flaxside._depends import input_masks, linear_in_cotangent
 from flaxside._device import aval, compiling_for
 from flaxside._leaves import is_key
@@ -352,7 +352,8 @@ class Program:
         if kind == "backward_recompute":
             return self._compile(self._backward_recompute_body, self._avals(self.specs),
                                  self._avals(self.out_specs[k] for k in self.diff_out_index))
-        if kind == "value_and_grad" and self.scalar_loss:
+        if kind == "value_and_grad":
+            internal_assert(self.scalar_loss, f"value_and_grad of {self.name}, no scalar loss")
             return self._compile(self._value_and_grad_body, self._avals(self.specs))
         raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
 

@@ -315,17 +315,19 @@ def test_programs_are_compiled_for_the_tensors_device():
     m = FlaxModule(Net(), example_args=(torch.zeros(2, 5),), example_kwargs={"train": False},
                    train_kwarg="train", rngs=("dropout",)).to(TORCH)
     f = jax_function(lambda x: jnp.sin(x), residuals="recompute")
+    loss = jax_function(lambda x: jnp.mean(jnp.sin(x) ** 2))  # a scalar loss: value_and_grad
     x = torch.randn(2, 5).to(TORCH).requires_grad_()
     m(x).sum().backward()
     with torch.no_grad():
         m(x)
     f(x).sum().backward()
-    entries = [e for owner in (m, f) for e in owner._caller.entries]
-    assert len(entries) == 3 and all(e.program.device == RIGHT for e in entries)
+    loss(x).backward()
+    entries = [e for owner in (m, f, loss) for e in owner._caller.entries]
+    assert len(entries) == 4 and all(e.program.device == RIGHT for e in entries)
     ran = [(e.program.name, kind, e.program.compiled(kind)) for e in entries
            for kind in e._executables]
     assert {kind for _, kind, _ in ran} == {"forward", "forward_with_residuals", "backward",
-                                            "backward_recompute"}
+                                            "backward_recompute", "value_and_grad"}
     for name, kind, exe in ran:  # the executables the calls ran, arguments and results
         placed = {d for s in jax.tree_util.tree_leaves((exe.input_shardings,
                                                         exe.output_shardings))

@@ -153,7 +153,7 @@ def test_a_second_backward_of_a_retained_graph_accumulates_like_torch(route):
         x, y = torch.randn(6, 5), torch.randn(6, 3)
         torch.manual_seed(2)
         loss, _ = module(x, y)
-        loss.backward(retain_graph=True)  # a cotangent of one: the buffers are handed over
+        loss.backward(retain_graph=True)  # a cotangent of one
         once = [p.grad.clone() for p in module.parameters()]
         loss.backward(torch.tensor(0.5))
         grads[residuals] = [(a, p.grad) for a, p in zip(once, module.parameters(), strict=True)]
@@ -162,6 +162,32 @@ def test_a_second_backward_of_a_retained_graph_accumulates_like_torch(route):
         torch.testing.assert_close(a_save, a_split, rtol=1e-5, atol=1e-6 * scale)
         torch.testing.assert_close(b_save, 1.5 * a_save, rtol=1e-6, atol=1e-7 * scale)
         torch.testing.assert_close(b_save, b_split, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_every_backward_of_a_retained_graph_and_in_place_zeroing_between(route):
+    """Gradients torch accumulated into, or an optimizer zeroed in place, are never read back.
+
+    Three backwards of one graph (the second and third accumulate into ``.grad``), with
+    ``zero_grad(set_to_none=False)`` (an in-place zero) before the last: what torch does.
+    """
+    grads = {}
+    for residuals in ("save", "split"):
+        module = _module(residuals)
+        opt = torch.optim.SGD(module.parameters(), lr=0.0)
+        x, y = torch.randn(6, 5), torch.randn(6, 3)
+        torch.manual_seed(2)
+        loss, _ = module(x, y)
+        loss.backward(retain_graph=True)
+        loss.backward(retain_graph=True)
+        twice = [p.grad.clone() for p in module.parameters()]
+        opt.zero_grad(set_to_none=False)
+        loss.backward(torch.tensor(-2.0))
+        grads[residuals] = [(a, p.grad) for a, p in zip(twice, module.parameters(), strict=True)]
+    scale = max(float(a.abs().max()) for a, _ in grads["split"])
+    for (a_save, b_save), (a_split, b_split) in zip(grads["save"], grads["split"], strict=True):
+        torch.testing.assert_close(a_save, a_split, rtol=1e-5, atol=1e-6 * scale)
+        torch.testing.assert_close(b_save, b_split, rtol=1e-5, atol=1e-6 * scale)
+        torch.testing.assert_close(b_save, -a_save, rtol=1e-6, atol=1e-7 * scale)
 
 
 def test_jax_function_losses_with_one_and_with_two_scalar_outputs(route):
@@ -226,4 +252,8 @@ def test_losses_whose_gradient_does_not_scale_keep_two_programs(kind):
         bridge.set_exchange_mode(previous)
     assert [e.detail for e in log if e.kind == "run"] == ["forward_with_residuals", "backward"]
     _, vjp = jax.vjp(lambda w: loss(w, _j(x)), _j(w))
-    _close(w.grad, vjp(jnp.float32(c.item()))[0])
+    expected = torch.from_numpy(np.array(vjp(jnp.float32(c.item()))[0]))
+    # float16 products: the two programs may round their float16 steps apart on another CPU.
+    tol = 1e-5 if kind == "custom_vjp" else 2e-3
+    torch.testing.assert_close(w.grad, expected, rtol=tol,
+                               atol=tol * float(expected.abs().max()))

@@ -188,16 +188,13 @@ class Entry:
         return self.run("backward", arrays[:a], arrays[a:b], arrays[b:], cots)[1]
 
     @staticmethod
-    def scaled(buffers, cotangent: torch.Tensor, first: bool) -> list[torch.Tensor]:
-        """The fused gradient buffers for ``cotangent`` (NOTE [Scalar loss]).
+    def scaled(buffers, cotangent: torch.Tensor) -> list[torch.Tensor]:
+        """The fused gradient buffers for ``cotangent`` (NOTE [Scalar loss]), new buffers.
 
-        A CPU cotangent of exactly one (``loss.backward()``) hands the buffers over as they
-        are at the first backward; otherwise, and on CUDA (reading the value would wait for
-        the device), each is multiplied into a new buffer, so that a second backward
-        (``retain_graph=True``) never reads a buffer torch has accumulated into.
+        New even for a cotangent of one: a buffer handed over would become ``.grad``, which
+        torch accumulates into and optimizers zero in place, and another backward of a
+        retained graph reads the saved buffer again.
         """
-        if first and cotangent.device.type == "cpu" and cotangent.item() == 1:
-            return list(buffers)
         return [b * cotangent for b in buffers]
 
     def gradients(self, buffers: list[torch.Tensor], cots) -> list:
@@ -240,15 +237,14 @@ class Entry:
 # NOTE [Scalar loss]. When the one differentiable output of a call is a real scalar (a loss
 # computed inside the block), its VJP is linear in the cotangent (no ``custom_vjp`` rule, no
 # float16 value: ``flaxside``'s ``linear_in_cotangent``) and ``residuals="save"``, a
-# grad-enabled eager call runs
-# ``value_and_grad``: the loss and its gradients for a cotangent of one, in the one program
-# JAX compiles for ``jit(value_and_grad)``, instead of a forward that writes residuals and a
-# backward that reads them. What it holds for backward is the gradient buffers (saved with
-# ``ctx.save_for_backward``, so saved-tensor hooks and ``memory_report`` see them); the
-# backward multiplies them by the incoming gradient (the VJP is linear over the reals), and
-# runs no program. The cost: a forward that is never followed by a backward computed the
-# gradients for nothing (evaluate under ``torch.no_grad()``). ``torch.compile`` calls keep
-# the two programs.
+# grad-enabled eager call runs ``value_and_grad``: the loss and its gradients for a
+# cotangent of one, in the one program JAX compiles for ``jit(value_and_grad)``, instead of
+# a forward that writes residuals and a backward that reads them. What it holds for
+# backward is the gradient buffers (saved with ``ctx.save_for_backward``, so saved-tensor
+# hooks and ``memory_report`` see them); the backward multiplies them by the incoming
+# gradient into new buffers (the VJP is linear over the reals), and runs no program. The
+# cost: a forward that is never followed by a backward computed the gradients for nothing
+# (evaluate under ``torch.no_grad()``). ``torch.compile`` calls keep the two programs.
 FUSED = object()  # what ``Entry.forward`` returns as ``kept`` on the fused route
 
 
@@ -297,7 +293,6 @@ class BridgeFunction(torch.autograd.Function):
         ctx.fused = kept is FUSED
         if ctx.fused:  # NOTE [Scalar loss]: the gradient buffers are what is held
             ctx.save_for_backward(*residuals)
-            ctx.first = True
         else:
             save_for_backward(ctx, entry, leaves, results, residuals, kept)
         ctx.entry, ctx.held = entry, held
@@ -326,8 +321,7 @@ class BridgeFunction(torch.autograd.Function):
         if ctx.fused:
             if cots[0] is None:  # the loss reached the backward without a gradient
                 return (None,) * (3 + len(entry.names))
-            buffers = entry.scaled(ctx.saved_tensors, cots[0], ctx.first)
-            ctx.first = False
+            buffers = entry.scaled(ctx.saved_tensors, cots[0])
         else:
             buffers = entry.backward(ctx.held, ctx.saved_tensors, ctx.kept, cots)
         return (None, None, None, *entry.gradients(buffers, cots))
