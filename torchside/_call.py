@@ -21,8 +21,10 @@ NOTE [Call path]. An owner hands its ``Caller`` what it fixes at construction
    buffers (and, for NNX, takes the graph the call left).
 
 Backward: ``Entry.backward`` views what was saved (held arrays reused) and runs the
-backward program through the exchange; ``Entry.gradients`` hands each leaf its gradient (a
-view of a packed buffer), ``None`` where no used output depends on it.
+backward program through the exchange (for a scalar loss, whose forward ran
+``value_and_grad``, ``Entry.scaled`` multiplies the saved gradients instead: NOTE [Scalar
+loss]); ``Entry.gradients`` hands each leaf its gradient (a view of a packed buffer),
+``None`` where no used output depends on it.
 
 A cached forward and backward of a ``FlaxModule`` runs code of four files: ``_module.py``,
 this one, ``_entry.py`` and ``bridge/_exchange.py``; ``flaxside`` compiles the programs at
