@@ -146,6 +146,46 @@ def test_the_fused_route_holds_the_gradients_and_runs_one_program(route):
     assert held["split"] != grad_bytes
 
 
+@pytest.mark.parametrize("cotangent", [1.0, -0.7])
+def test_a_freed_graph_hands_its_gradient_buffers_over_without_a_copy(route, cotangent):
+    """Without ``retain_graph`` the saved buffers become ``.grad`` (scaled in place).
+
+    Nothing reads them after a backward that frees the graph; a second backward raises
+    torch's own error, and existing ``.grad`` (zeroed in place) is accumulated into.
+    """
+    grads, storages = {}, set()
+
+    def pack(t):
+        storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    for residuals in ("save", "split", "save"):
+        module = _module(residuals)
+        x, y = torch.randn(6, 5), torch.randn(6, 3)
+        torch.manual_seed(2)
+        storages.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = module(x, y)
+        if residuals in grads:  # the second "save" module: .grad exists, zeroed in place
+            for p in module.parameters():
+                p.grad = torch.full_like(p, 0.25)
+        (loss * cotangent).backward()
+        if residuals == "save" and residuals not in grads:
+            for p in module.parameters():  # .grad lies in a buffer the call saved
+                assert p.grad.untyped_storage().data_ptr() in storages
+            with pytest.raises(RuntimeError, match="second time"):
+                loss.backward()
+            grads[residuals] = [p.grad.clone() for p in module.parameters()]
+        elif residuals == "split":
+            grads[residuals] = [p.grad for p in module.parameters()]
+        else:
+            accumulated = [p.grad for p in module.parameters()]
+    scale = max(float(a.abs().max()) for a in grads["split"])
+    for a_save, a_split, acc in zip(grads["save"], grads["split"], accumulated, strict=True):
+        torch.testing.assert_close(a_save, a_split, rtol=1e-5, atol=1e-6 * scale)
+        torch.testing.assert_close(acc, a_save + 0.25, rtol=1e-6, atol=1e-7 * scale)
+
+
 def test_a_second_backward_of_a_retained_graph_accumulates_like_torch(route):
     grads = {}
     for residuals in ("save", "split"):

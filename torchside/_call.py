@@ -22,7 +22,7 @@ NOTE [Call path]. An owner hands its ``Caller`` what it fixes at construction
 
 Backward: ``Entry.backward`` views what was saved (held arrays reused) and runs the
 backward program through the exchange (for a scalar loss, whose forward ran
-``value_and_grad``, ``Entry.scaled`` multiplies the saved gradients instead: NOTE [Scalar
+``value_and_grad``, ``Entry.scaled`` scales the saved gradients instead: NOTE [Scalar
 loss]); ``Entry.gradients`` hands each leaf its gradient (a view of a packed buffer),
 ``None`` where no used output depends on it.
 

@@ -189,13 +189,21 @@ class Entry:
 
     @staticmethod
     def scaled(buffers, cotangent: torch.Tensor) -> list[torch.Tensor]:
-        """The fused gradient buffers for ``cotangent`` (NOTE [Scalar loss]), new buffers.
+        """The fused gradient buffers for ``cotangent`` (NOTE [Scalar loss]).
 
-        New even for a cotangent of one: a buffer handed over would become ``.grad``, which
-        torch accumulates into and optimizers zero in place, and another backward of a
-        retained graph reads the saved buffer again.
+        When torch frees the graph after this backward (no ``retain_graph``, no
+        ``create_graph``), the saved buffers are read by nothing else: they are handed over,
+        scaled in place unless the cotangent is one, and ``AccumulateGrad`` takes them (or
+        views of them) as ``.grad`` without a copy. When it keeps the graph, a later backward
+        reads them again, so each is multiplied into a new buffer: handed over, it would
+        become ``.grad``, which torch accumulates into and optimizers zero in place.
         """
-        return [b * cotangent for b in buffers]
+        if _keep_graph():
+            return [b * cotangent for b in buffers]
+        # A CUDA cotangent's value is not read: that would wait for the device.
+        if cotangent.device.type == "cpu" and cotangent.item() == 1:
+            return list(buffers)
+        return [b.mul_(cotangent) for b in buffers]
 
     def gradients(self, buffers: list[torch.Tensor], cots) -> list:
         """Per leaf its gradient: views into the packed buffers, ``None`` where unreached.
@@ -241,10 +249,11 @@ class Entry:
 # cotangent of one, in the one program JAX compiles for ``jit(value_and_grad)``, instead of
 # a forward that writes residuals and a backward that reads them. What it holds for
 # backward is the gradient buffers (saved with ``ctx.save_for_backward``, so saved-tensor
-# hooks and ``memory_report`` see them); the backward multiplies them by the incoming
-# gradient into new buffers (the VJP is linear over the reals), and runs no program. The
-# cost: a forward that is never followed by a backward computed the gradients for nothing
-# (evaluate under ``torch.no_grad()``). ``torch.compile`` calls keep the two programs.
+# hooks and ``memory_report`` see them); the backward scales them by the incoming gradient
+# (the VJP is linear over the reals; ``Entry.scaled``: in place and handed over to
+# ``.grad`` when torch frees the graph, into new buffers when it keeps it), and runs no
+# program. The cost: a forward that is never followed by a backward computed the gradients
+# for nothing (evaluate under ``torch.no_grad()``). ``torch.compile`` calls keep the two programs.
 FUSED = object()  # what ``Entry.forward`` returns as ``kept`` on the fused route
 
 
@@ -331,6 +340,16 @@ class BridgeFunction(torch.autograd.Function):
 # functorch transforms are refused before a call (``Caller.__call__``), so we call the C++
 # apply directly.
 apply_bridge = super(torch.autograd.Function, BridgeFunction).apply
+
+
+def _keep_graph() -> bool:
+    """Whether torch keeps this backward's graph (``retain_graph``), saved tensors included.
+
+    torch's own compiled autograd asks the same to donate saved tensors; without the query
+    (a torch that lacks it) the answer is the safe one.
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else query()
 
 
 def _functorch_wrapped(tensor) -> bool:
