@@ -15,8 +15,15 @@ outside the timed region):
 * ``pure JAX split``: the same in three jitted programs, as a bridge must split it when
   torch computes the loss: forward returning the VJP (its residuals), the loss and its
   gradient with respect to the logits, the backward;
+* ``pure JAX split, dots``: the split with the forward under ``jax.checkpoint(policy=DOTS)``:
+  residuals are the matmul outputs, the elementwise work is recomputed in the backward;
+* ``no bridge: JAX dots + torch loss``: that split with torch's ``cross_entropy`` between
+  the programs (DLPack both ways): what any bridge that lets torch compute the loss pays
+  at least, with the cheapest residual policy here;
 * ``bridge, loss in torch``: ``FlaxModule`` returns the logits, torch computes
   ``cross_entropy`` and calls ``backward`` (two programs: forward with residuals, backward);
+* ``bridge, loss in torch, remat dots``: the same for the model under ``nn.remat`` with the
+  ``DOTS`` policy (``Dots``), which a user writes to hold the matmul outputs only;
 * ``bridge, loss inside``: the Flax module computes the loss; the scalar-loss route runs
   one fused program (NOTE [Scalar loss] in ``torchside/_entry.py``);
 * ``torch eager``: the torch twin.
@@ -45,7 +52,10 @@ from train_lm import Block  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 CONFIG = dict(layers=2, width=128, heads=4, vocab=1024, context=32, batch=8)
-TARGETS = {"bridge, loss in torch": 1.25, "bridge, loss inside": 1.05}
+TARGETS = {"bridge, loss in torch": 1.25, "bridge, loss in torch, remat dots": 1.25,
+           "bridge, loss inside": 1.05}
+# Keeps matmul outputs, recomputes the elementwise work in the backward (fused there).
+DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 class OwnGPT(nn.Module):
@@ -91,6 +101,19 @@ class WithLoss(nn.Module):
     def __call__(self, ids, targets):
         logits = self.model(ids)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+class Dots(nn.Module):
+    """``model`` under ``nn.remat`` with the ``DOTS`` policy: what a user writes to hold less.
+
+    Its parameters are ``{"model": model's}``.
+    """
+
+    model: nn.Module
+
+    @nn.compact
+    def __call__(self, ids):
+        return nn.remat(lambda mdl, x: mdl(x), policy=DOTS)(self.model, ids)
 
 
 class TorchGPT(torch.nn.Module):
@@ -168,7 +191,9 @@ def lm_rows(size: dict) -> list[dict]:
     for name, model, twin in models():
         variables = jax.jit(model.init)(jax.random.key(0), j_ids)
         logits_m = FlaxModule(model, variables=variables)
-        loss_m = FlaxModule(WithLoss(model), variables={"params": {"model": variables["params"]}})
+        nested = {"params": {"model": variables["params"]}}
+        loss_m = FlaxModule(WithLoss(model), variables=nested)
+        dots_m = FlaxModule(Dots(model), variables=nested)
 
         def loss_fn(params, ids, targets, model=model):
             logits = model.apply({"params": params}, ids)
@@ -181,13 +206,25 @@ def lm_rows(size: dict) -> list[dict]:
         split_loss = jax.jit(jax.value_and_grad(
             lambda logits, t: optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()))
         split_bwd = jax.jit(lambda vjp, g: vjp(g))
+        dots_fwd = jax.jit(lambda p, ids, model=model: jax.vjp(jax.checkpoint(
+            lambda p: model.apply({"params": p}, ids), policy=DOTS), p))
 
         def pure_split(p=params, fwd=split_fwd, loss=split_loss, bwd=split_bwd):
             logits, vjp = fwd(p, j_ids)
             _, g = loss(logits, j_targets)
             jax.block_until_ready(bwd(vjp, g))
 
+        def floor(p=params, fwd=dots_fwd, bwd=split_bwd):
+            """No bridge: JAX's programs, torch's loss, DLPack between them."""
+            logits, vjp = fwd(p, j_ids)
+            t = torch.from_dlpack(logits).requires_grad_()
+            F.cross_entropy(t.reshape(-1, c["vocab"]), targets.reshape(-1)).backward()
+            jax.block_until_ready(bwd(vjp, jax.dlpack.from_dlpack(t.grad)))
+
         def torch_loss(m=logits_m):
+            F.cross_entropy(m(ids).reshape(-1, c["vocab"]), targets.reshape(-1)).backward()
+
+        def dots_loss(m=dots_m):
             F.cross_entropy(m(ids).reshape(-1, c["vocab"]), targets.reshape(-1)).backward()
 
         def twin_loss(m=twin):
@@ -197,7 +234,11 @@ def lm_rows(size: dict) -> list[dict]:
             _Contestant("pure JAX", lambda f=fused, p=params: jax.block_until_ready(
                 f(p, j_ids, j_targets)), []),
             _Contestant("pure JAX split", pure_split, []),
+            _Contestant("pure JAX split, dots", lambda f=dots_fwd: pure_split(fwd=f), []),
+            _Contestant("no bridge: JAX dots + torch loss", floor, []),
             _Contestant("bridge, loss in torch", torch_loss, list(logits_m.parameters())),
+            _Contestant("bridge, loss in torch, remat dots", dots_loss,
+                        list(dots_m.parameters())),
             _Contestant("bridge, loss inside", lambda m=loss_m: m(ids, targets).backward(),
                         list(loss_m.parameters())),
             _Contestant("torch eager", twin_loss, list(twin.parameters())),
@@ -207,11 +248,15 @@ def lm_rows(size: dict) -> list[dict]:
             values = [float(fused(params, j_ids, j_targets)[0]),
                       float(F.cross_entropy(logits_m(ids).reshape(-1, c["vocab"]),
                                             targets.reshape(-1))),
-                      float(loss_m(ids, targets))]
+                      float(loss_m(ids, targets)),
+                      float(F.cross_entropy(dots_m(ids).reshape(-1, c["vocab"]),
+                                            targets.reshape(-1)))]
         times, rounds = race(contestants, budget=size["budget"] * 2,
                              min_repeats=size["min_repeats"], warmup=size["warmup"])
         step = train_steps(model, loss_m, params, ids, targets, j_ids, j_targets, size)
-        rows.append(dict(name=name, times=times, rounds=rounds, steps=step,
+        held = {"plain": logits_m.memory_report(ids).held_bytes,
+                "remat dots": dots_m.memory_report(ids).held_bytes}
+        rows.append(dict(name=name, times=times, rounds=rounds, steps=step, held=held,
                          mismatch=max(abs(v - values[0]) for v in values) / abs(values[0])))
     return rows
 
@@ -262,12 +307,15 @@ def print_lm(rows: list[dict], fmt_time) -> list[list[str]]:
         print(f"\n{r['name']} (2 layers, width 128, 4 heads, vocab 1024, batch 8 x 32; "
               f"{r['rounds']} rounds; losses agree to {r['mismatch']:.1e})")
         for name, sec in t.items():
-            print(f"  {name:<24} {fmt_time(sec):>10}  {sec / base:5.2f}x pure JAX")
+            print(f"  {name:<34} {fmt_time(sec):>10}  {sec / base:5.2f}x pure JAX")
         s = r["steps"]
         print(f"  training step: pure JAX + optax {fmt_time(s['pure JAX + optax'])}, bridge + "
               f"torch AdamW {fmt_time(s['bridge + torch AdamW'])} "
               f"({s['bridge + torch AdamW'] / s['pure JAX + optax']:.2f}x), of which "
               f"AdamW.step alone {fmt_time(s['torch AdamW.step alone'])}")
+        h = r["held"]
+        print(f"  held for backward with the loss in torch: {h['plain'] / 2**20:.2f} MiB, "
+              f"{h['remat dots'] / 2**20:.2f} MiB under remat dots")
         for name, limit in TARGETS.items():
             ratio = t[name] / base
             targets.append([f"{r['name']}: {name} <= {limit}x pure JAX fused",
