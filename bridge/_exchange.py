@@ -140,7 +140,10 @@ def cpu_view(tensor: torch.Tensor, owner=True) -> np.ndarray:
 
 
 def cpu_tensor(array: jax.Array) -> torch.Tensor:
-    """A torch view of a ready JAX CPU array (no copy); it keeps the array alive."""
+    """A torch view of a JAX CPU array (no copy) that keeps the array alive.
+
+    The buffer exists from dispatch on; torch may read it once the array is ready.
+    """
     typestr, view_as = _dtypes.typestr(array.dtype)
     shape = array.shape
     if 0 in shape:  # not array.size: a Python property, slower on this path
@@ -149,10 +152,6 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
     out = torch.from_numpy(np.asarray(
         _Memory(array, array.unsafe_buffer_pointer(), shape, typestr)))
     return out if view_as is None else out.view(view_as)
-
-
-def _holdable(tensor: torch.Tensor) -> bool:
-    return tensor.is_leaf and is_zero_copy(tensor)
 
 
 def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
@@ -241,7 +240,7 @@ class CpuExchange:
         """
         if not tensor.is_cpu:
             raise _elsewhere(tensor, self.torch_device)
-        if not _holdable(tensor):
+        if not (tensor.is_leaf and is_zero_copy(tensor)):
             return None
         array = jax.device_put(cpu_view(tensor, owner=None), self.device)
         if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold
@@ -255,9 +254,10 @@ class CpuExchange:
         the program (for ``record_ordering`` on the DLPack route).
         """
         arrays = program(*args)
+        tensors = [cpu_tensor(a) for a in arrays]  # made while JAX computes (cpu_tensor)
         for a in arrays:  # the method: jax.block_until_ready walks a pytree first
             a.block_until_ready()
-        return arrays, [cpu_tensor(a) for a in arrays]
+        return arrays, tensors
 
 
 class DlpackExchange:
@@ -288,7 +288,7 @@ class DlpackExchange:
         """
         if tensor.device != self.torch_device:
             raise _elsewhere(tensor, self.torch_device)
-        if not _holdable(tensor) or 0 in tensor.shape:
+        if not (tensor.is_leaf and is_zero_copy(tensor)) or 0 in tensor.shape:
             return None
         exported = tensor.detach()
         array = imported(exported, jax.dlpack.from_dlpack(exported))
