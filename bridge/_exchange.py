@@ -21,7 +21,9 @@ JAX's work after torch's and torch's after JAX's:
 
 * CPU: a jitted call returns before it has run, so ``run`` waits for the results before
   torch may read them; results depend on the inputs they read, so no input can be
-  overwritten by torch while JAX still reads it.
+  overwritten by torch while JAX still reads it. With ``wait=False`` the caller waits
+  (``wait``) after bookkeeping that reads no result: ``BridgeFunction`` saves for
+  backward and views packed gradients while JAX computes, and waits before it returns.
 * DLPack: a held array was imported once, long before torch's latest write to it (an
   optimizer step), so importing it ordered nothing this call. Before each program ``run``
   imports one tiny fence tensor (torch's current stream -> an event -> JAX's stream: JAX's
@@ -247,17 +249,27 @@ class CpuExchange:
             return None
         return array
 
-    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
+    def run(self, name: str, program, *args,
+            wait: bool = True) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args)``: its result arrays, and torch tensors over them.
 
-        Waits for JAX to compute the results before torch may read them. ``name`` names
-        the program (for ``record_ordering`` on the DLPack route).
+        Waits for JAX to compute the results before torch may read them. ``wait=False``
+        returns while JAX computes: the caller does work that reads none of the results
+        meanwhile, then calls ``wait(arrays)`` before anything (torch, user code, a
+        saved-tensor hook) may read them. ``name`` names the program (for
+        ``record_ordering`` on the DLPack route).
         """
         arrays = program(*args)
         tensors = [cpu_tensor(a) for a in arrays]  # made while JAX computes (cpu_tensor)
+        if wait:
+            self.wait(arrays)
+        return arrays, tensors
+
+    @staticmethod
+    def wait(arrays) -> None:
+        """Waits until JAX has computed ``arrays`` (results of ``run``)."""
         for a in arrays:  # the method: jax.block_until_ready walks a pytree first
             a.block_until_ready()
-        return arrays, tensors
 
 
 class DlpackExchange:
@@ -296,11 +308,13 @@ class DlpackExchange:
             return None
         return array
 
-    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
+    def run(self, name: str, program, *args,
+            wait: bool = True) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args, fence)``: its result arrays, and torch tensors over them.
 
         ``program`` is compiled with one more argument, the fence, that it waits for;
-        ``name`` names it in what ``record_ordering`` records.
+        ``name`` names it in what ``record_ordering`` records. ``wait`` changes nothing:
+        the results are handed to torch's stream, which orders every later read.
         """
         device = self.torch_device
         # torch's current stream -> event -> JAX's stream, after everything torch queued.
@@ -317,6 +331,10 @@ class DlpackExchange:
                     tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
         return arrays, tensors
 
+    @staticmethod
+    def wait(arrays) -> None:
+        """Nothing to wait for: ``run`` ordered torch's stream after the results."""
+
 
 @ft.cache
 def _exchange(device: torch.device, mode: str):
@@ -329,72 +347,3 @@ def _exchange(device: torch.device, mode: str):
 def exchange_for(device: torch.device):
     """The exchange for tensors on ``device`` under the current mode (one per device)."""
     return _exchange(device, _mode)
-
-
-class HeldArrays:
-    """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
-
-    Per slot it keeps the tensor's address, dtype, shape, ``requires_grad``, exchange, the
-    array (``None`` when the tensor cannot be held: a non-leaf, such as an autocast copy or
-    a parametrized weight, unaligned or non-compact memory; those get a fresh view each
-    call) and device. See NOTE [Exchange] for when a held array is valid.
-    """
-
-    __slots__ = ("_slots",)
-
-    def __init__(self):
-        self._slots: list = []
-
-    def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
-        """Arrays for ``tensors`` (one per slot), and whether a signature-relevant flag changed.
-
-        Signature-relevant: a device, dtype, shape or grad flag. A slot whose tensor moved
-        (same device, dtype and shape, another address or layout) gets a new array, which is
-        no change of signature. ``grads`` replaces the tensors' ``requires_grad`` flags
-        (inside a custom op, tensors arrive detached).
-
-        Raises:
-            ValueError: a tensor is not on ``exchange``'s device (nothing is held for it).
-        """
-        slots = self._slots
-        changed = len(slots) != len(tensors)
-        if changed:
-            slots[:] = [None] * len(tensors)
-        out = []
-        for i, t in enumerate(tensors):
-            s = slots[i]
-            ptr = t.data_ptr()
-            grad = t.requires_grad if grads is None else grads[i]
-            if s is not None and s[0] == ptr and s[4] is exchange:
-                if s[1] is t.dtype and s[2] == t.shape and s[3] == grad:
-                    array = s[5]
-                    if array is None:
-                        out.append(exchange.view(t))
-                        continue
-                    if in_place(t):  # not so: a same-address view with other strides
-                        out.append(array)
-                        continue
-            # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
-            if (s is None or s[1] is not t.dtype or s[2] != t.shape or s[3] != grad
-                    or s[6] != t.device):
-                changed = True
-            array = exchange.hold(t)
-            slots[i] = (ptr, t.dtype, t.shape, grad, exchange, array, t.device)
-            out.append(exchange.view(t) if array is None else array)
-        return out, changed
-
-    def get(self, slot: int, tensor: torch.Tensor, exchange):
-        """The held array of ``slot`` if ``tensor`` is still its tensor, else a fresh view.
-
-        Nothing new is held: in a backward, saved-tensor hooks may hand back temporary
-        copies.
-        """
-        s = self._slots[slot] if slot < len(self._slots) else None
-        if (s is not None and s[5] is not None and s[0] == tensor.data_ptr() and s[4] is exchange
-                and s[1] is tensor.dtype and s[2] == tensor.shape and in_place(tensor)):
-            return s[5]
-        return exchange.view(tensor)
-
-    def clear(self) -> None:
-        """Releases every held array."""
-        self._slots = []

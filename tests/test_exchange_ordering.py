@@ -128,6 +128,50 @@ def test_an_input_written_right_after_the_call_was_read_before(route):
     _close(y, want, "output after the input was overwritten")
 
 
+class Deep(nn.Module):
+    """Programs that take milliseconds on a CPU: long enough for an early read to see it."""
+
+    width: int
+    scalar: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(6):
+            x = jnp.tanh(nn.Dense(self.width)(x))
+        return jnp.mean(x**2) if self.scalar else x
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["residuals", "scalar-loss"])
+def test_saved_tensor_hooks_and_the_gradients_read_finished_results(route, scalar):
+    """A pack hook that reads what is saved, and the gradients torch accumulates, are final.
+
+    On CPU the bridge makes autograd's records while the program runs and waits before it
+    returns from forward and from backward (NOTE [Exchange]): a wait after torch's pack
+    hooks, or after the backward returned, would hand them memory JAX is still writing.
+    """
+    width = 1024 if route == "cuda" else 512
+    torch.manual_seed(0)
+    m = FlaxModule(Deep(width, scalar), example_args=(torch.zeros(8, width),)).to(route)
+    x = torch.randn(256, width, device=route)
+    ct = torch.randn(() if scalar else (256, width), device=route)
+    packed = []
+
+    def pack(t):
+        packed.append(t.clone())  # reads the values now, as save_on_cpu does
+        return packed[-1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = m(x)
+    for p in m.parameters():  # torch then reads each gradient inside the backward
+        p.grad = torch.full_like(p, 0.25)
+    y.backward(ct)
+    assert packed
+    want_y, want_g, _ = _reference(m, x, ct)
+    _close(y, want_y, "output")
+    for name, p in m.named_parameters():
+        _close(p.grad, want_g[name] + 0.25, f"{name}.grad")
+
+
 def test_replaced_parameter_memory_is_read_afresh(route):
     width = _width(route)
     m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),)).to(route)

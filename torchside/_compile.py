@@ -139,7 +139,7 @@ def forward_op(caller_id: int, training: int, graph: int, mask: str,
     entry, state_arrays, full = caller.prepare(
         variables, args, _positional(len(args)), (ARRAY,) * len(args), [None] * len(args),
         _mode(training, graph), grads, var_grads, remember=True)
-    results, residuals, _ = entry.forward(state_arrays, full)
+    results, residuals, _, _ = entry.forward(state_arrays, full)
     # The RNG leaf as a fresh tensor: an op may not return one of its inputs or a tensor it
     # returned before.
     rng = [full[entry.n_vars].clone()] if entry.n_state > entry.n_vars else []
@@ -170,7 +170,7 @@ def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
     not alias one another.
     """
     caller = _caller(caller_id)
-    return caller.entry(key).backward(caller.held, saved, None, cots)
+    return caller.entry(key).backward(caller.held, saved, None, cots)[0]
 
 
 @backward_op.register_fake

@@ -68,12 +68,15 @@ class Entry:
         self._rng_zeros = None
         self._unpack = built.unpack
 
-    def run(self, kind: str, *args) -> tuple[list, list[torch.Tensor]]:
-        """Runs program ``kind`` through the exchange: its result arrays and tensors."""
+    def run(self, kind: str, *args, wait: bool = True) -> tuple[list, list[torch.Tensor]]:
+        """Runs program ``kind`` through the exchange: its result arrays and tensors.
+
+        ``wait=False``: see the exchange's ``run``; ``self.exchange.wait`` the arrays.
+        """
         exe = self._executables.get(kind)
         if exe is None:  # compiled at the first call that needs it, then kept here
             exe = self._executables[kind] = self.program.executable(kind)
-        return self.exchange.run(kind, exe, *args)
+        return self.exchange.run(kind, exe, *args, wait=wait)
 
     def residual_map(self):
         """The program's residual map (lowering ``forward_with_residuals`` if not yet)."""
@@ -113,24 +116,26 @@ class Entry:
         return state_arrays + [view(self.narrowed(j, t) if j in self.narrow else t)
                                for j, t in enumerate(leaves[self.n_state :], self.n_state)]
 
-    def forward(self, state_arrays: list, leaves,
-                fuse: bool = False) -> tuple[list, list, list | None]:
-        """``(results, residual tensors, JAX arrays kept for the backward)`` of one call.
+    def forward(self, state_arrays: list, leaves, fuse: bool = False,
+                wait: bool = True) -> tuple[list, list, list | None, list]:
+        """``(results, residual tensors, JAX arrays kept for the backward, pending)``.
 
         Without a gradient to take, or in recompute mode, the plain forward: no residuals.
         With ``fuse`` (eager calls) and ``self.fuses``: the results and the gradient buffers
-        of ``value_and_grad``, and ``FUSED``.
+        of ``value_and_grad``, and ``FUSED``. ``pending``: with ``wait=False``, the arrays
+        to ``self.exchange.wait`` for before anything reads the tensors; else empty.
         """
         arrays = self.arrays(state_arrays, leaves)
         if not self.grad_slots or self.recompute:
-            return self.run("forward", arrays)[1], [], None
+            out, tensors = self.run("forward", arrays, wait=wait)
+            return tensors, [], None, out
         if fuse and self.fuses:
-            tensors = self.run("value_and_grad", arrays)[1]
-            return tensors[: self.n_results], tensors[self.n_results :], FUSED
-        out, tensors = self.run("forward_with_residuals", arrays)
+            out, tensors = self.run("value_and_grad", arrays, wait=wait)
+            return tensors[: self.n_results], tensors[self.n_results :], FUSED, out
+        out, tensors = self.run("forward_with_residuals", arrays, wait=wait)
         n = self.n_results
         kept = [out[k] for k in self.residual_map().saved_outputs] + list(out[n:])
-        return tensors[:n], tensors[n:], kept
+        return tensors[:n], tensors[n:], kept, out
 
     # -- backward --------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
@@ -167,25 +172,30 @@ class Entry:
                           else exchange.view(t))
         return arrays
 
-    def backward(self, held: HeldArrays, saved, kept, cots) -> list[torch.Tensor]:
-        """The gradient buffers (``program.grad_pack``) of one call.
+    def backward(self, held: HeldArrays, saved, kept, cots,
+                 wait: bool = True) -> tuple[list[torch.Tensor], list]:
+        """The gradient buffers (``program.grad_pack``) of one call, and ``pending``.
 
         Args:
             held: the owner's held arrays (the variables' arrays are reused).
             saved: what ``save_for_backward`` saved, as torch unpacked it.
             kept: ``ctx.kept`` (arrays to reuse), or ``None``.
             cots: per differentiable output (``diff_out_index``), its cotangent or ``None``.
+            wait: as for ``forward``; ``pending`` is empty when it waited.
         """
         view = self.exchange.view
         cots = [self.zero_cotangent(k) if g is None else view(g)
                 for k, g in zip(self.diff_out_index, cots, strict=True)]
         arrays = self.saved_arrays(held, saved, kept)
         if self.recompute:
-            return self.run("backward_recompute", arrays, cots)[1]
-        rmap = self.residual_map()
-        a = len(rmap.saved_inputs)
-        b = a + len(rmap.saved_outputs)
-        return self.run("backward", arrays[:a], arrays[a:b], arrays[b:], cots)[1]
+            out, tensors = self.run("backward_recompute", arrays, cots, wait=wait)
+        else:
+            rmap = self.residual_map()
+            a = len(rmap.saved_inputs)
+            b = a + len(rmap.saved_outputs)
+            out, tensors = self.run("backward", arrays[:a], arrays[a:b], arrays[b:], cots,
+                                    wait=wait)
+        return tensors, [] if wait else out
 
     @staticmethod
     def scaled(buffers, cotangent: torch.Tensor) -> list[torch.Tensor]:
@@ -294,7 +304,10 @@ class BridgeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, entry: Entry, held: HeldArrays, state_arrays: list, *leaves):
-        results, residuals, kept = entry.forward(state_arrays, leaves, fuse=True)
+        # The program runs while autograd's records are made; nothing below reads a
+        # result until the wait at the end (saved-tensor hooks run after we return).
+        results, residuals, kept, pending = entry.forward(state_arrays, leaves, fuse=True,
+                                                          wait=False)
         ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out))
         # Unused outputs get no gradient: materialised, each would be a zero tensor
         # allocated per backward.
@@ -305,6 +318,7 @@ class BridgeFunction(torch.autograd.Function):
         else:
             save_for_backward(ctx, entry, leaves, results, residuals, kept)
         ctx.entry, ctx.held = entry, held
+        entry.exchange.wait(pending)
         return tuple(results)
 
     @staticmethod
@@ -330,10 +344,14 @@ class BridgeFunction(torch.autograd.Function):
         if ctx.fused:
             if cots[0] is None:  # the loss reached the backward without a gradient
                 return (None,) * (3 + len(entry.names))
-            buffers = entry.scaled(ctx.saved_tensors, cots[0])
-        else:
-            buffers = entry.backward(ctx.held, ctx.saved_tensors, ctx.kept, cots)
-        return (None, None, None, *entry.gradients(buffers, cots))
+            return (None, None, None, *entry.gradients(
+                entry.scaled(ctx.saved_tensors, cots[0]), cots))
+        # The gradients are viewed out of their buffers while the program runs.
+        buffers, pending = entry.backward(ctx.held, ctx.saved_tensors, ctx.kept, cots,
+                                          wait=False)
+        grads = entry.gradients(buffers, cots)
+        entry.exchange.wait(pending)
+        return (None, None, None, *grads)
 
 
 # torch's Function.apply walks every argument in Python (functorch's dead-wrapper check);
