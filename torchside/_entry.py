@@ -128,14 +128,15 @@ class Entry:
         arrays = self.arrays(state_arrays, leaves)
         if not self.grad_slots or self.recompute:
             out, tensors = self.run("forward", arrays, wait=wait)
-            return tensors, [], None, out
+            return tensors, [], None, [] if wait else out
         if fuse and self.fuses:
             out, tensors = self.run("value_and_grad", arrays, wait=wait)
-            return tensors[: self.n_results], tensors[self.n_results :], FUSED, out
+            n = self.n_results
+            return tensors[:n], tensors[n:], FUSED, [] if wait else out
         out, tensors = self.run("forward_with_residuals", arrays, wait=wait)
         n = self.n_results
         kept = [out[k] for k in self.residual_map().saved_outputs] + list(out[n:])
-        return tensors[:n], tensors[n:], kept, out
+        return tensors[:n], tensors[n:], kept, [] if wait else out
 
     # -- backward --------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
