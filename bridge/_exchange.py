@@ -38,10 +38,8 @@ JAX's work after torch's and torch's after JAX's:
 
 from __future__ import annotations
 
-import contextlib
 import functools as ft
 import os
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -49,6 +47,7 @@ import torch
 
 from bridge import _devices, _dtypes
 from bridge._imports import imported
+from bridge._ordering import record, recorders
 
 ALIGNMENT = 64  # bytes; XLA's CPU client copies host buffers aligned less than this.
 
@@ -164,59 +163,6 @@ def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
     )
 
 
-class OrderingEvent(NamedTuple):
-    """One ordering step of the DLPack route, as ``record_ordering`` sees it.
-
-    Attributes:
-        kind: ``"torch->jax"``: JAX's stream now waits for everything torch has queued on
-            its current stream (the fence); ``"run"``: a program is dispatched;
-            ``"jax->torch"``: torch's current stream now waits for the program's results.
-        device: the torch device the program runs on.
-        stream: torch's current CUDA stream (``cuda_stream``) at that step; ``None`` on CPU.
-        detail: for ``"run"`` the program's name, for ``"jax->torch"`` the memory handed to
-            torch, as ``(data pointer, bytes)`` per tensor.
-    """
-
-    kind: str
-    device: torch.device
-    stream: int | None = None
-    detail: object = None
-
-
-_recorders: list[list] = []
-
-
-@contextlib.contextmanager
-def record_ordering():
-    """Records the ordering steps every DLPack-route ``run`` takes, in order.
-
-    With ``FLAXTORCH_EXCHANGE=dlpack`` a CPU run makes exactly the calls a CUDA run makes,
-    so a test can check, without a GPU, that each program run is fenced once, after
-    torch's writes and before JAX reads, and that its results are handed back to torch's
-    stream before torch touches them. Yields the list of ``OrderingEvent``s; a test may
-    append markers of its own to it.
-
-    Example:
-        >>> with record_ordering() as log:
-        ...     pass
-        >>> log
-        []
-    """
-    log: list = []
-    _recorders.append(log)
-    try:
-        yield log
-    finally:
-        _recorders.remove(log)
-
-
-def _record(kind: str, device: torch.device, detail=None) -> None:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    event = OrderingEvent(kind, device, stream, detail)
-    for log in _recorders:
-        log.append(event)
-
-
 class CpuExchange:
     """Pointer views on CPU (see NOTE [Exchange])."""
 
@@ -320,14 +266,14 @@ class DlpackExchange:
         # torch's current stream -> event -> JAX's stream, after everything torch queued.
         exported = self._fence.detach()  # its own object, to see JAX let go (_imports)
         fence = imported(exported, jax.dlpack.from_dlpack(exported))
-        if _recorders:
-            _record("torch->jax", device)
-            _record("run", device, name)
+        if recorders:
+            record("torch->jax", device)
+            record("run", device, name)
         arrays = program(*args, fence)
         # JAX's results -> torch's current stream (JAX's __dlpack__ is given torch's stream).
         tensors = [torch.from_dlpack(a) for a in arrays]
-        if _recorders:
-            _record("jax->torch", device,
+        if recorders:
+            record("jax->torch", device,
                     tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
         return arrays, tensors
 
@@ -347,3 +293,72 @@ def _exchange(device: torch.device, mode: str):
 def exchange_for(device: torch.device):
     """The exchange for tensors on ``device`` under the current mode (one per device)."""
     return _exchange(device, _mode)
+
+
+class HeldArrays:
+    """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
+
+    Per slot it keeps the tensor's address, dtype, shape, ``requires_grad``, exchange, the
+    array (``None`` when the tensor cannot be held: a non-leaf, such as an autocast copy or
+    a parametrized weight, unaligned or non-compact memory; those get a fresh view each
+    call) and device. See NOTE [Exchange] for when a held array is valid.
+    """
+
+    __slots__ = ("_slots",)
+
+    def __init__(self):
+        self._slots: list = []
+
+    def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
+        """Arrays for ``tensors`` (one per slot), and whether a signature-relevant flag changed.
+
+        Signature-relevant: a device, dtype, shape or grad flag. A slot whose tensor moved
+        (same device, dtype and shape, another address or layout) gets a new array, which is
+        no change of signature. ``grads`` replaces the tensors' ``requires_grad`` flags
+        (inside a custom op, tensors arrive detached).
+
+        Raises:
+            ValueError: a tensor is not on ``exchange``'s device (nothing is held for it).
+        """
+        slots = self._slots
+        changed = len(slots) != len(tensors)
+        if changed:
+            slots[:] = [None] * len(tensors)
+        out = []
+        for i, t in enumerate(tensors):
+            s = slots[i]
+            ptr = t.data_ptr()
+            grad = t.requires_grad if grads is None else grads[i]
+            if s is not None and s[0] == ptr and s[4] is exchange:
+                if s[1] is t.dtype and s[2] == t.shape and s[3] == grad:
+                    array = s[5]
+                    if array is None:
+                        out.append(exchange.view(t))
+                        continue
+                    if in_place(t):  # not so: a same-address view with other strides
+                        out.append(array)
+                        continue
+            # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
+            if (s is None or s[1] is not t.dtype or s[2] != t.shape or s[3] != grad
+                    or s[6] != t.device):
+                changed = True
+            array = exchange.hold(t)
+            slots[i] = (ptr, t.dtype, t.shape, grad, exchange, array, t.device)
+            out.append(exchange.view(t) if array is None else array)
+        return out, changed
+
+    def get(self, slot: int, tensor: torch.Tensor, exchange):
+        """The held array of ``slot`` if ``tensor`` is still its tensor, else a fresh view.
+
+        Nothing new is held: in a backward, saved-tensor hooks may hand back temporary
+        copies.
+        """
+        s = self._slots[slot] if slot < len(self._slots) else None
+        if (s is not None and s[5] is not None and s[0] == tensor.data_ptr() and s[4] is exchange
+                and s[1] is tensor.dtype and s[2] == tensor.shape and in_place(tensor)):
+            return s[5]
+        return exchange.view(tensor)
+
+    def clear(self) -> None:
+        """Releases every held array."""
+        self._slots = []

@@ -10,13 +10,13 @@ from bridge._dtypes import narrows_to_int32 as narrows_to_int32
 from bridge._exchange import ALIGNMENT as ALIGNMENT
 from bridge._exchange import CpuExchange as CpuExchange
 from bridge._exchange import DlpackExchange as DlpackExchange
-from bridge._exchange import OrderingEvent as OrderingEvent
+from bridge._exchange import HeldArrays as HeldArrays
 from bridge._exchange import cpu_tensor as cpu_tensor
 from bridge._exchange import cpu_view as cpu_view
 from bridge._exchange import exchange_for as exchange_for
 from bridge._exchange import in_place as in_place
-from bridge._exchange import record_ordering as record_ordering
-from bridge._held import HeldArrays as HeldArrays
+from bridge._ordering import OrderingEvent as OrderingEvent
+from bridge._ordering import record_ordering as record_ordering
 
 __all__ = [
     "ALIGNMENT",
