@@ -163,6 +163,16 @@ def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
     )
 
 
+def _modes_active() -> bool:
+    """Whether a torch dispatch or function mode is on: it would see the tensors being made.
+
+    Such modes (``DebugMode``'s tensor hashes, NaN checkers) may read every op's output,
+    so results are made into tensors, and viewed, only once JAX has written them.
+    ``torch.set_default_device`` is such a mode too (one that reads nothing).
+    """
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+
+
 class CpuExchange:
     """Pointer views on CPU (see NOTE [Exchange])."""
 
@@ -206,6 +216,9 @@ class CpuExchange:
         ``record_ordering`` on the DLPack route).
         """
         arrays = program(*args)
+        if _modes_active():  # a mode sees every op, a view included, and may read it
+            self.wait(arrays)
+            return arrays, [cpu_tensor(a) for a in arrays]
         tensors = [cpu_tensor(a) for a in arrays]  # made while JAX computes (cpu_tensor)
         if wait:
             self.wait(arrays)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
 from torchside import FlaxModule
@@ -170,6 +171,56 @@ def test_saved_tensor_hooks_and_the_gradients_read_finished_results(route, scala
     _close(y, want_y, "output")
     for name, p in m.named_parameters():
         _close(p.grad, want_g[name] + 0.25, f"{name}.grad")
+
+
+class _ReadEveryView(TorchDispatchMode):
+    """Reads each view an op returns when it returns it, as NaN checkers and hashes do."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and func in (
+                torch.ops.aten.view.default, torch.ops.aten.view.dtype,
+                torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor):
+            self.seen.append((out, out.float().sum().item()))
+        return out
+
+
+class Narrow(nn.Module):
+    """Small parameters (their gradients leave packed, as views) and a slow program."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(6):
+            x = jnp.tanh(nn.Dense(64)(x))
+        return x.astype(self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_a_dispatch_mode_sees_finished_results_and_gradients(route, dtype):
+    """A ``TorchDispatchMode`` sees each result and gradient view only once JAX wrote it.
+
+    A bfloat16 result is viewed as bfloat16 by an op, and packed gradients are views made
+    by ops; on CPU they are made while the program runs unless a mode is watching.
+    """
+    torch.manual_seed(0)
+    m = FlaxModule(Narrow(dtype), example_args=(torch.zeros(2, 64),)).to(route)
+    x = torch.randn(20000, 64, device=route)
+    ct = torch.randn(20000, 64, device=route, dtype=bridge.torch_dtype(jnp.dtype(dtype)))
+    m(x).backward(ct)  # compiled outside the mode
+    for _ in range(2):
+        m.zero_grad()
+        with _ReadEveryView() as mode:
+            y = m(x)
+            y.backward(ct)
+        assert mode.seen
+        for t, early in mode.seen:
+            assert early == t.float().sum().item(), (tuple(t.shape), t.dtype)
 
 
 def test_replaced_parameter_memory_is_read_afresh(route):

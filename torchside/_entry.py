@@ -306,20 +306,23 @@ class BridgeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry: Entry, held: HeldArrays, state_arrays: list, *leaves):
         # The program runs while autograd's records are made; nothing below reads a
-        # result until the wait at the end (saved-tensor hooks run after we return).
+        # result until the wait (saved-tensor hooks run after we return), which also comes
+        # first on an error: no return while JAX still reads the inputs.
         results, residuals, kept, pending = entry.forward(state_arrays, leaves, fuse=True,
                                                           wait=False)
-        ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out))
-        # Unused outputs get no gradient: materialised, each would be a zero tensor
-        # allocated per backward.
-        ctx.set_materialize_grads(False)
-        ctx.fused = kept is FUSED
-        if ctx.fused:  # NOTE [Scalar loss]: the gradient buffers are what is held
-            ctx.save_for_backward(*residuals)
-        else:
-            save_for_backward(ctx, entry, leaves, results, residuals, kept)
-        ctx.entry, ctx.held = entry, held
-        entry.exchange.wait(pending)
+        try:
+            ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out))
+            # Unused outputs get no gradient: materialised, each would be a zero tensor
+            # allocated per backward.
+            ctx.set_materialize_grads(False)
+            ctx.fused = kept is FUSED
+            if ctx.fused:  # NOTE [Scalar loss]: the gradient buffers are what is held
+                ctx.save_for_backward(*residuals)
+            else:
+                save_for_backward(ctx, entry, leaves, results, residuals, kept)
+            ctx.entry, ctx.held = entry, held
+        finally:
+            entry.exchange.wait(pending)
         return tuple(results)
 
     @staticmethod
@@ -350,8 +353,10 @@ class BridgeFunction(torch.autograd.Function):
         # The gradients are viewed out of their buffers while the program runs.
         buffers, pending = entry.backward(ctx.held, ctx.saved_tensors, ctx.kept, cots,
                                           wait=False)
-        grads = entry.gradients(buffers, cots)
-        entry.exchange.wait(pending)
+        try:
+            grads = entry.gradients(buffers, cots)
+        finally:
+            entry.exchange.wait(pending)
         return (None, None, None, *grads)
 
 
