@@ -17,9 +17,10 @@ outside the timed region):
   gradient with respect to the logits, the backward;
 * ``pure JAX split, dots``: the split with the forward under ``jax.checkpoint(policy=DOTS)``:
   residuals are the matmul outputs, the elementwise work is recomputed in the backward;
-* ``no bridge: JAX dots + torch loss``: that split with torch's ``cross_entropy`` between
-  the programs (DLPack both ways): what any bridge that lets torch compute the loss pays
-  at least, with the cheapest residual policy here;
+* ``no bridge: JAX + torch loss`` and ``no bridge: JAX dots + torch loss``: the two splits
+  with torch's ``cross_entropy`` between the programs (DLPack both ways): what any bridge
+  that lets torch compute the loss pays at least, without a remat policy and with the
+  cheapest one here;
 * ``bridge, loss in torch``: ``FlaxModule`` returns the logits, torch computes
   ``cross_entropy`` and calls ``backward`` (two programs: forward with residuals, backward);
 * ``bridge, loss in torch, remat dots``: the same for the model under ``nn.remat`` with the
@@ -235,6 +236,7 @@ def lm_rows(size: dict) -> list[dict]:
                 f(p, j_ids, j_targets)), []),
             _Contestant("pure JAX split", pure_split, []),
             _Contestant("pure JAX split, dots", lambda f=dots_fwd: pure_split(fwd=f), []),
+            _Contestant("no bridge: JAX + torch loss", lambda f=split_fwd: floor(fwd=f), []),
             _Contestant("no bridge: JAX dots + torch loss", floor, []),
             _Contestant("bridge, loss in torch", torch_loss, list(logits_m.parameters())),
             _Contestant("bridge, loss in torch, remat dots", dots_loss,

@@ -95,7 +95,8 @@ def _check_benchmark(done, out) -> None:
     for r in lm.values():  # the JAX routes compute one loss
         assert r["mismatch"] < 1e-5 and set(r["times"]) == {
             "pure JAX", "pure JAX split", "pure JAX split, dots",
-            "no bridge: JAX dots + torch loss", "bridge, loss in torch",
+            "no bridge: JAX + torch loss", "no bridge: JAX dots + torch loss",
+            "bridge, loss in torch",
             "bridge, loss in torch, remat dots", "bridge, loss inside", "torch eager"}, r
         # The remat policy that keeps matmul outputs only holds less than keeping all.
         assert r["held"]["remat dots"] < r["held"]["plain"], r
