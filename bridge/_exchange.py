@@ -155,6 +155,10 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
     return out if view_as is None else out.view(view_as)
 
 
+def _holdable(tensor: torch.Tensor) -> bool:
+    return tensor.is_leaf and is_zero_copy(tensor)
+
+
 def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
     return ValueError(
         f"flaxtorch: a tensor on {tensor.device} reached a call that runs on {device}. If "
@@ -198,7 +202,7 @@ class CpuExchange:
         """
         if not tensor.is_cpu:
             raise _elsewhere(tensor, self.torch_device)
-        if not (tensor.is_leaf and is_zero_copy(tensor)):
+        if not _holdable(tensor):
             return None
         array = jax.device_put(cpu_view(tensor, owner=None), self.device)
         if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold
@@ -259,7 +263,7 @@ class DlpackExchange:
         """
         if tensor.device != self.torch_device:
             raise _elsewhere(tensor, self.torch_device)
-        if not (tensor.is_leaf and is_zero_copy(tensor)) or 0 in tensor.shape:
+        if not _holdable(tensor) or 0 in tensor.shape:
             return None
         exported = tensor.detach()
         array = imported(exported, jax.dlpack.from_dlpack(exported))

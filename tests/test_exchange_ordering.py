@@ -130,16 +130,20 @@ def test_an_input_written_right_after_the_call_was_read_before(route):
 
 
 class Deep(nn.Module):
-    """Programs that take milliseconds on a CPU: long enough for an early read to see it."""
+    """Programs that take milliseconds on a CPU: long enough for an early read to see it.
+
+    Narrow widths keep the parameters small, so their gradients leave packed, as views.
+    """
 
     width: int
     scalar: bool = False
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x):
         for _ in range(6):
             x = jnp.tanh(nn.Dense(self.width)(x))
-        return jnp.mean(x**2) if self.scalar else x
+        return jnp.mean(x**2) if self.scalar else x.astype(self.dtype)
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["residuals", "scalar-loss"])
@@ -189,18 +193,6 @@ class _ReadEveryView(TorchDispatchMode):
         return out
 
 
-class Narrow(nn.Module):
-    """Small parameters (their gradients leave packed, as views) and a slow program."""
-
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(6):
-            x = jnp.tanh(nn.Dense(64)(x))
-        return x.astype(self.dtype)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_a_dispatch_mode_sees_finished_results_and_gradients(route, dtype):
     """A ``TorchDispatchMode`` sees each result and gradient view only once JAX wrote it.
@@ -209,7 +201,7 @@ def test_a_dispatch_mode_sees_finished_results_and_gradients(route, dtype):
     by ops; on CPU they are made while the program runs unless a mode is watching.
     """
     torch.manual_seed(0)
-    m = FlaxModule(Narrow(dtype), example_args=(torch.zeros(2, 64),)).to(route)
+    m = FlaxModule(Deep(64, dtype=dtype), example_args=(torch.zeros(2, 64),)).to(route)
     x = torch.randn(20000, 64, device=route)
     ct = torch.randn(20000, 64, device=route, dtype=bridge.torch_dtype(jnp.dtype(dtype)))
     m(x).backward(ct)  # compiled outside the mode
