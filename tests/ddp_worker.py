@@ -1,7 +1,11 @@
 """One process of the DDP test: trains a model holding a FlaxModule on its shard of a batch.
 
 Run by tests/test_ddp.py as ``python tests/ddp_worker.py RANK WORLD PORT OUT``; with WORLD
-1 it trains on the full batch without torch.distributed (the reference).
+1 it trains on the full batch without torch.distributed (the reference). It trains a second
+model after the first: the same function and weights with the loss inside one FlaxModule
+(the scalar-loss route hands the gradients JAX computed in the forward to ``.grad``), under
+DDP with ``gradient_as_bucket_view=True`` (DDP replaces each ``.grad`` by a view of its
+bucket); its state goes to ``OUT.loss``.
 ``FLAXTORCH_TEST_DDP_BACKEND=nccl`` trains rank ``r`` on ``cuda:r`` as ``torchrun`` would
 (JAX's default device stays GPU 0 in every rank); ``FLAXTORCH_TEST_JAX_DEFAULT`` moves JAX's
 default device elsewhere (``tests/devices_env.py``).
@@ -16,6 +20,8 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -41,6 +47,43 @@ def build():
     )
 
 
+class WithLoss(nn.Module):
+    """``build()``'s model and its mean squared error, all in Flax: a scalar output."""
+
+    @nn.compact
+    def __call__(self, x, y):
+        h = Block(name="block")(nn.Dense(8, name="inp")(x))
+        return jnp.mean((nn.Dense(2, name="out")(h) - y) ** 2)
+
+
+def build_with_loss() -> FlaxModule:
+    """``WithLoss`` with ``build()``'s initial weights."""
+    base = build()
+
+    def dense(linear):
+        return {"kernel": linear.weight.detach().numpy().T.copy(),
+                "bias": linear.bias.detach().numpy().copy()}
+
+    block = {"stack": {k: np.asarray(v).copy() for k, v in
+                       base[1].flax_variables()["params"]["stack"].items()}}
+    return FlaxModule(WithLoss(), variables={"params": {
+        "inp": dense(base[0]), "block": block, "out": dense(base[2])}})
+
+
+def train(model, rank: int, world: int, device, loss_inside: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, 5, generator=gen)
+        y = torch.randn(BATCH, 2, generator=gen)
+        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        x, y = x[shard].to(device), y[shard].to(device)
+        loss = model(x, y) if loss_inside else torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     # A stalled rank prints where every thread is and exits, instead of hanging the test.
     faulthandler.dump_traceback_later(240, exit=True)
@@ -49,25 +92,20 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build().to(device)
     if world > 1:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[rank] if device.type == "cuda" else None)
-    gen = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        x = torch.randn(BATCH, 5, generator=gen)
-        y = torch.randn(BATCH, 2, generator=gen)
-        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        loss = torch.nn.functional.mse_loss(model(x[shard].to(device)), y[shard].to(device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    state = {k: v.cpu() for k, v in (model.module if world > 1 else model).state_dict().items()}
-    if rank == 0:
-        torch.save(state, out)
+    for loss_inside, path in ((False, out), (True, f"{out}.loss")):
+        model = (build_with_loss() if loss_inside else build()).to(device)
+        if world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[rank] if device.type == "cuda" else None,
+                gradient_as_bucket_view=loss_inside)
+        train(model, rank, world, device, loss_inside)
+        state = {k: v.cpu() for k, v in
+                 (model.module if world > 1 else model).state_dict().items()}
+        if rank == 0:
+            torch.save(state, path)
     if world > 1:
         dist.barrier()  # neither rank leaves while the other still talks to it
         # Free DDP's Reducer while the process group is still registered, then destroy the
@@ -75,7 +113,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         # whose gloo thread may need the GIL to free a finished work, and both wait for
         # ever (torch's own deadlock: 1 run in ~10 hung here, pure-torch DDP included;
         # pytorch/pytorch#56297, #190489). destroy_process_group releases the GIL.
-        del model, opt, loss
+        del model
         gc.collect()
         dist.destroy_process_group()
 

@@ -1,10 +1,12 @@
 """One process of the FSDP2 test: ``fully_shard`` over a model that holds a FlaxModule.
 
 Run by tests/test_fsdp2.py as ``python tests/fsdp2_worker.py RANK WORLD PORT OUT``. Each
-process trains two models in turn: the Flax one and its pure-torch twin (the control, from
-the same initial weights). With WORLD 1 it trains both on the full batch without
-torch.distributed (the reference); rank 0 saves the full (unsharded) state dicts, initial
-and final, to ``OUT.torch.pt`` and ``OUT.flax.pt``.
+process trains three models in turn, from the same initial weights: the pure-torch twin
+(the control), the model with the Flax block between torch layers, and the whole model and
+its loss in one FlaxModule (the scalar-loss route: its gradients are computed in the
+forward and handed to ``.grad`` in the backward, where FSDP2 reduce-scatters them). With
+WORLD 1 it trains them on the full batch without torch.distributed (the reference); rank 0
+saves the full (unsharded) state dicts, initial and final, to ``OUT.KIND.pt``.
 """
 
 import datetime
@@ -15,13 +17,15 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 8
-KINDS = ("torch", "flax")
+KINDS = ("torch", "flax", "flax-loss")
 
 
 class Block(nn.Module):
@@ -47,7 +51,27 @@ class TorchBlock(torch.nn.Module):
         return x + self.l2(torch.tanh(self.l1(x)))
 
 
-def build(kind: str) -> torch.nn.Sequential:
+class WithLoss(nn.Module):
+    """``build("flax")``'s model and its mean squared error, all in Flax: a scalar output."""
+
+    @nn.compact
+    def __call__(self, x, y):
+        h = Block(name="block")(nn.Dense(8, name="inp")(x))
+        return jnp.mean((nn.Dense(1, name="out")(h) - y) ** 2)
+
+
+def _dense(linear: torch.nn.Linear) -> dict:
+    return {"kernel": linear.weight.detach().numpy().T.copy(),
+            "bias": linear.bias.detach().numpy().copy()}
+
+
+def build(kind: str) -> torch.nn.Module:
+    if kind == "flax-loss":
+        base = build("flax")
+        block = {k: {n: np.asarray(a).copy() for n, a in v.items()}
+                 for k, v in base[1].flax_variables()["params"].items()}
+        return FlaxModule(WithLoss(), variables={"params": {
+            "inp": _dense(base[0]), "block": block, "out": _dense(base[2])}})
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 8),
@@ -71,7 +95,8 @@ def train(kind: str, rank: int, world: int) -> tuple[dict, dict]:
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model[1])  # its own unit: freed with storage.resize_(0) after use
+        if kind != "flax-loss":
+            fully_shard(model[1])  # its own unit: freed with storage.resize_(0) after use
         fully_shard(model)
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -79,7 +104,10 @@ def train(kind: str, rank: int, world: int) -> tuple[dict, dict]:
         x = torch.randn(BATCH, 4, generator=gen)
         y = torch.randn(BATCH, 1, generator=gen)
         shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+        if kind == "flax-loss":
+            loss = model(x[shard], y[shard])
+        else:
+            loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
         opt.zero_grad()
         loss.backward()
         opt.step()

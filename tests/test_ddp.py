@@ -3,7 +3,9 @@
 On CPU (gloo, loopback), also with each rank's JAX default device elsewhere than its
 tensors (two host devices, the default set to the second): the ``torchrun`` case, where
 rank ``r`` works on ``cuda:r`` and JAX's default device is GPU 0 in every rank. With two
-GPUs the same run goes over NCCL on ``cuda:0`` and ``cuda:1``.
+GPUs the same run goes over NCCL on ``cuda:0`` and ``cuda:1``. Each run also trains the
+same model with its loss inside one FlaxModule (the scalar-loss route) under DDP with
+``gradient_as_bucket_view=True``: it must end where the first model ends.
 """
 
 from pathlib import Path
@@ -44,3 +46,19 @@ def test_two_process_ddp_equals_single_process_full_batch(env, tmp_path):
         # order than the full batch does, so allow float32 rounding.
         torch.testing.assert_close(ddp[name], ref[name], msg=name)
         assert not torch.equal(ref[name], initial[name]), f"{name} did not train"
+    # The loss-inside model: DDP against one process, and against the first model (the same
+    # function and initial weights, its loss in torch): float32 rounding apart.
+    loss_ddp = torch.load(f"{out_ddp}.loss", weights_only=True)
+    loss_ref = torch.load(f"{out_ref}.loss", weights_only=True)
+    assert set(loss_ddp) == set(loss_ref)
+    for name in loss_ref:
+        torch.testing.assert_close(loss_ddp[name], loss_ref[name], msg=name)
+    for state in (loss_ref, loss_ddp):
+        as_first = {"0.weight": state["params.inp.kernel"].T, "0.bias": state["params.inp.bias"],
+                    "2.weight": state["params.out.kernel"].T, "2.bias": state["params.out.bias"]}
+        as_first.update({k.replace("params.block.", "1.params."): v
+                         for k, v in state.items() if k.startswith("params.block.")})
+        assert set(as_first) == set(ref)
+        for name, value in ref.items():
+            torch.testing.assert_close(as_first[name], value, rtol=1e-5,
+                                       atol=1e-6 * float(value.abs().max()), msg=name)

@@ -2,7 +2,9 @@
 
 FSDP2 frees each unsharded parameter with ``storage.resize_(0)`` after use, so every tensor
 that crossed into JAX must stay resizable (issue 15). The pure-torch twin, from the same
-initial weights, runs in the same processes as the control.
+initial weights, runs in the same processes as the control, and so does the whole model
+with its loss in one FlaxModule (the scalar-loss route, whose gradients reach ``.grad`` as
+buffers JAX computed in the forward).
 """
 
 from pathlib import Path
@@ -34,7 +36,8 @@ def runs(tmp_path_factory):
     return load
 
 
-@pytest.mark.parametrize("kind", ["torch", "flax"], ids=["torch-control", "flax"])
+@pytest.mark.parametrize("kind", ["torch", "flax", "flax-loss"],
+                         ids=["torch-control", "flax", "flax-loss-inside"])
 def test_fully_shard_on_two_ranks_equals_single_process_full_batch(runs, kind):
     sharded, reference = runs("sharded", kind), runs("ref", kind)
     assert set(sharded["final"]) == set(reference["final"])
@@ -56,3 +59,20 @@ def test_the_flax_model_trains_like_its_torch_twin(runs):
         torch.testing.assert_close(as_torch[name], value, rtol=1e-5,
                                    atol=1e-6 * float(value.abs().max()),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_loss_inside_model_trains_like_the_torch_twin(runs):
+    """The scalar-loss route, sharded and not, against the pure-torch control."""
+    twin = runs("ref", "torch")["final"]
+    for run in ("ref", "sharded"):
+        flax = runs(run, "flax-loss")["final"]
+        as_torch = {}
+        for torch_name, flax_name in (("0", "inp"), ("1.l1", "block.Dense_0"),
+                                      ("1.l2", "block.Dense_1"), ("2", "out")):
+            as_torch[f"{torch_name}.weight"] = flax[f"params.{flax_name}.kernel"].T
+            as_torch[f"{torch_name}.bias"] = flax[f"params.{flax_name}.bias"]
+        assert set(as_torch) == set(twin)
+        for name, value in twin.items():
+            torch.testing.assert_close(as_torch[name], value, rtol=1e-5,
+                                       atol=1e-6 * float(value.abs().max()),
+                                       msg=lambda m, name=name, run=run: f"{run} {name}: {m}")
