@@ -6,7 +6,9 @@ process trains three models in turn, from the same initial weights: the pure-tor
 its loss in one FlaxModule (the scalar-loss route: its gradients are computed in the
 forward and handed to ``.grad`` in the backward, where FSDP2 reduce-scatters them). With
 WORLD 1 it trains them on the full batch without torch.distributed (the reference); rank 0
-saves the full (unsharded) state dicts, initial and final, to ``OUT.KIND.pt``.
+saves the full (unsharded) state dicts, initial and final, to ``OUT.KIND.pt``. With two
+ranks it also trains the three under FSDP2's ``MixedPrecisionPolicy`` (bfloat16 parameters
+and compute, float32 reduction): kinds ``KIND-bf16``.
 """
 
 import datetime
@@ -26,6 +28,7 @@ from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 8
 KINDS = ("torch", "flax", "flax-loss")
+BF16 = tuple(f"{kind}-bf16" for kind in KINDS)  # sharded runs only
 
 
 class Block(nn.Module):
@@ -90,14 +93,21 @@ def full_state(model) -> dict:
 
 
 def train(kind: str, rank: int, world: int) -> tuple[dict, dict]:
+    bf16 = kind.endswith("-bf16")
+    kind = kind.removesuffix("-bf16")
     model = build(kind)
     initial = full_state(model)
     if world > 1:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # bfloat16: FSDP2 gathers bfloat16 copies of the parameters and casts the inputs
+        # (the block's programs are specialized to them) and reduces gradients in float32.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else MixedPrecisionPolicy()
         if kind != "flax-loss":
-            fully_shard(model[1])  # its own unit: freed with storage.resize_(0) after use
-        fully_shard(model)
+            # its own unit: freed with storage.resize_(0) after use
+            fully_shard(model[1], mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(STEPS):
@@ -107,7 +117,7 @@ def train(kind: str, rank: int, world: int) -> tuple[dict, dict]:
         if kind == "flax-loss":
             loss = model(x[shard], y[shard])
         else:
-            loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+            loss = torch.nn.functional.mse_loss(model(x[shard]).float(), y[shard])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -120,7 +130,8 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-    for kind in KINDS:  # the control first: its result is saved even if the other fails
+    # The control first: its result is saved even if the others fail.
+    for kind in KINDS + (BF16 if world > 1 else ()):
         initial, final = train(kind, rank, world)
         if rank == 0:
             torch.save({"initial": initial, "final": final}, f"{out}.{kind}.pt")
