@@ -99,6 +99,8 @@ def narrow_to_int32(tensor: torch.Tensor, *, name: str = "tensor",
     The check is one pass over the values (``aminmax``) and reads two numbers back to the
     host: on CUDA it waits for the work that produces ``tensor``. ``check=False`` skips
     it, for values already checked (the same tensor, saved for the backward).
+    ``narrow_array`` does the same to a CPU tensor's values in numpy, without torch's
+    per-op dispatch (the CPU exchange's route).
 
     Raises:
         TypeError: a value does not fit int32 (naming the argument, the values and the fix).
@@ -109,15 +111,31 @@ def narrow_to_int32(tensor: torch.Tensor, *, name: str = "tensor",
     """
     if check and tensor.numel():
         lo, hi = (int(v) for v in torch.aminmax(tensor))
-        if lo < _INT32[0] or hi > _INT32[1]:
-            raise TypeError(
-                f"argument '{name}' is torch.int64 with values from {lo} to {hi}, which do "
-                f"not fit int32, and JAX runs without 64-bit types here (int64 arguments "
-                f"are narrowed to int32 when every value fits). Keep the values within "
-                f"[{_INT32[0]}, {_INT32[1]}], or enable 64-bit JAX before the first call with "
-                f"jax.config.update('jax_enable_x64', True)."
-            )
+        _check_fits(name, lo, hi)
     return tensor.to(torch.int32)
+
+
+def narrow_array(values: np.ndarray, *, name: str = "tensor", check: bool = True) -> np.ndarray:
+    """``narrow_to_int32`` for an int64 numpy array (a view of a CPU tensor): int32, a copy.
+
+    Example:
+        >>> narrow_array(np.array([1, 50256])).dtype
+        dtype('int32')
+    """
+    if check and values.size:
+        _check_fits(name, int(values.min()), int(values.max()))
+    return values.astype(np.int32)
+
+
+def _check_fits(name: str, lo: int, hi: int) -> None:
+    if lo < _INT32[0] or hi > _INT32[1]:
+        raise TypeError(
+            f"argument '{name}' is torch.int64 with values from {lo} to {hi}, which do "
+            f"not fit int32, and JAX runs without 64-bit types here (int64 arguments "
+            f"are narrowed to int32 when every value fits). Keep the values within "
+            f"[{_INT32[0]}, {_INT32[1]}], or enable 64-bit JAX before the first call with "
+            f"jax.config.update('jax_enable_x64', True)."
+        )
 
 
 @ft.cache  # on the per-call path: one dict lookup per tensor

@@ -192,6 +192,14 @@ class CpuExchange:
             raise _elsewhere(tensor, self.torch_device)
         return cpu_view(tensor)
 
+    def narrowed(self, tensor: torch.Tensor, name: str, check: bool = True):
+        """What a program takes for an int64 ``tensor`` as int32: its values, checked.
+
+        In numpy, over the tensor's memory: torch's ops cost more per call, in dispatch,
+        than the pass over a batch of token ids (``_dtypes.narrow_array``).
+        """
+        return _dtypes.narrow_array(self.view(tensor), name=name, check=check)
+
     def hold(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
 
@@ -253,6 +261,14 @@ class DlpackExchange:
         if 0 in tensor.shape:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
         return imported(tensor, jax.dlpack.from_dlpack(tensor))
+
+    def narrowed(self, tensor: torch.Tensor, name: str, check: bool = True):
+        """What a program takes for an int64 ``tensor`` as int32: its values, checked.
+
+        In torch, on the tensor's device: on CUDA the check waits for the device
+        (``_dtypes.narrow_to_int32``).
+        """
+        return self.view(_dtypes.narrow_to_int32(tensor, name=name, check=check))
 
     def hold(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.

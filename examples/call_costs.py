@@ -3,11 +3,12 @@
 What this shows: the per-tensor cost of each exchange step a call takes on this machine
 (views of inputs, held parameter arrays, result views, gradient views, the forced DLPack
 route) and what narrowing int64 token ids to int32 costs per argument (the range check
-and the copy), each the median of repeated runs over many tensors. On CUDA the int64
-check also reads two numbers back to the host, so it waits for the work that made the
-ids; this script measures the CPU. Last, how many Python function calls one cached
-forward+backward of a small FlaxModule makes (cProfile): a count, not a time, so it
-compares versions of the bridge on any machine.
+and the copy: in numpy on the CPU route, in torch on the DLPack route), each the median
+of repeated runs over many tensors. On CUDA the int64 check also reads two numbers back
+to the host, so it waits for the work that made the ids; this script measures the CPU.
+Last, how many Python function calls one cached forward+backward of a small FlaxModule
+makes (cProfile): a count, not a time, so it compares versions of the bridge on any
+machine.
 
 How to run:
     python examples/call_costs.py          # about 20 s
@@ -102,9 +103,14 @@ def main() -> None:
     for shape in ((8, 32), (64, 512)):
         ids = torch.randint(0, 50257, shape)
         rows.append((f"int64 ids {shape[0]}x{shape[1]} -> int32: range check and copy",
+                     per_item(lambda ids=ids: cpu.narrowed(ids, "ids"), 1, 10 * repeats),
+                     "a copy"))
+        rows.append((f"int64 ids {shape[0]}x{shape[1]} -> int32: the same in torch "
+                     f"(DLPack route)",
                      per_item(lambda ids=ids: narrow_to_int32(ids), 1, 10 * repeats), "a copy"))
         rows.append((f"int64 ids {shape[0]}x{shape[1]} -> int32: the copy alone",
-                     per_item(lambda ids=ids: ids.to(torch.int32), 1, 10 * repeats), "a copy"))
+                     per_item(lambda ids=ids: cpu.narrowed(ids, "ids", check=False), 1,
+                              10 * repeats), "a copy"))
     width = max(len(r[0]) for r in rows)
     print(f"jax {jax.__version__}, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")

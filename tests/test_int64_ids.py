@@ -109,6 +109,19 @@ def test_int64_and_int32_calls_agree():
         torch.testing.assert_close(m(ids, mask), m(ids.int(), mask.int()), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", ["limits", "strided", "scalar", "empty"])
+def test_every_value_that_fits_crosses_unchanged(case):
+    """int32's limits pass the check; strided, 0-d and empty int64 tensors cross as their
+    values (the program returns what it received; the reference is numpy's int32 cast)."""
+    limits = torch.tensor([[-(2**31), 2**31 - 1, 0], [-1, 1, 7]])
+    values = {"limits": limits, "strided": torch.arange(24).reshape(4, 6)[:, ::2].T,
+              "scalar": torch.tensor(2**31 - 1), "empty": torch.zeros(0, 3, dtype=torch.int64)}
+    given = values[case]
+    out = jax_function(lambda v: v)(given)
+    assert out.dtype == torch.int32 and out.shape == given.shape
+    np.testing.assert_array_equal(out.numpy(), given.numpy().astype(np.int32))
+
+
 def test_jax_function_int64_positions_with_a_float_input_that_needs_grad():
     @jax_function
     def shift(x, pos):

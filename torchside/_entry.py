@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import bridge
-from bridge.internal import HeldArrays, narrow_to_int32
+from bridge.internal import HeldArrays
 from torchside._build import for_owner
 
 
@@ -101,10 +101,13 @@ class Entry:
             self._rng_zeros = torch.zeros(shape, dtype=torch.int32, device=self.device)
         return self._rng_zeros
 
-    def narrowed(self, j: int, tensor: torch.Tensor, check: bool = True) -> torch.Tensor:
-        """Argument leaf ``j`` (int64) as int32; raises naming it if a value does not fit."""
+    def narrowed(self, j: int, tensor: torch.Tensor, check: bool = True):
+        """What the program takes for argument leaf ``j`` (int64) as int32.
+
+        Raises naming the leaf if a value does not fit.
+        """
         try:
-            return narrow_to_int32(tensor, name=self.names[j], check=check)
+            return self.exchange.narrowed(tensor, self.names[j], check)
         except TypeError as e:
             raise for_owner(e, self.program.name) from None
 
@@ -113,7 +116,7 @@ class Entry:
         view = self.exchange.view
         if not self.narrow:
             return state_arrays + [view(t) for t in leaves[self.n_state :]]
-        return state_arrays + [view(self.narrowed(j, t) if j in self.narrow else t)
+        return state_arrays + [self.narrowed(j, t) if j in self.narrow else view(t)
                                for j, t in enumerate(leaves[self.n_state :], self.n_state)]
 
     def forward(self, state_arrays: list, leaves, fuse: bool = False,
@@ -157,7 +160,7 @@ class Entry:
                 return held.get(j, t, exchange)
             # Saved as given (int64); its values were checked by the forward, and torch's
             # version counter refuses an in-place change in between.
-            return exchange.view(self.narrowed(j, t, check=False) if j in narrow else t)
+            return self.narrowed(j, t, check=False) if j in narrow else exchange.view(t)
 
         if self.recompute:
             return [view(j, t) for j, t in enumerate(saved)]
