@@ -6,6 +6,8 @@ torch and JAX see (conftest.py). ``examples/gpu_check.py`` runs them with a summ
 
 import os
 
+import flax.linen as nn
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -69,3 +71,34 @@ def test_cuda_round_trip_is_zero_copy():
     a = bridge.to_jax(t)
     assert a.unsafe_buffer_pointer() == t.data_ptr()
     assert bridge.to_torch(a).data_ptr() == t.data_ptr()
+
+
+class _Loss(nn.Module):
+    """A scalar output: the fused route, whose gradients torch takes as ``.grad``."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.mean(jnp.tanh(nn.Dense(2048)(x)) ** 2)
+
+
+def test_dropped_gradients_from_jax_are_not_reused_before_torch_reads_them():
+    """The fused route hands JAX's gradient buffers to torch as ``.grad``. Dropping them
+    (``zero_grad``) returns their memory to JAX's pool at once, while torch's reads of them
+    may still wait on its stream; the next call's program, which may reuse that memory,
+    must not write it before they run: the call's fence orders it after all torch queued.
+    """
+    m = FlaxModule(_Loss(), example_args=(torch.zeros(64, 2048),)).cuda()
+    for _ in range(3):
+        m(torch.randn(64, 2048, device="cuda")).backward()
+        grads = [p.grad for p in m.parameters()]
+        torch.cuda.synchronize()
+        expected = [g.clone() for g in grads]
+        torch.cuda._sleep(200_000_000)  # keeps torch's stream busy: the reads below wait
+        late = [g * 1 for g in grads]
+        del grads
+        m.zero_grad()  # the last references: JAX may hand the memory out again
+        m(torch.randn(64, 2048, device="cuda")).backward()  # allocates as much again
+        torch.cuda.synchronize()
+        for got, want in zip(late, expected, strict=True):
+            assert torch.equal(got, want)
+        m.zero_grad()
