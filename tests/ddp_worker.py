@@ -20,12 +20,11 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tests.devices_env import apply_default_device  # noqa: E402
+from tests.loss_inside import with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 16
@@ -45,29 +44,6 @@ def build():
         FlaxModule(Block(), example_args=(torch.zeros(2, 8),), seed=0),
         torch.nn.Linear(8, 2),
     )
-
-
-class WithLoss(nn.Module):
-    """``build()``'s model and its mean squared error, all in Flax: a scalar output."""
-
-    @nn.compact
-    def __call__(self, x, y):
-        h = Block(name="block")(nn.Dense(8, name="inp")(x))
-        return jnp.mean((nn.Dense(2, name="out")(h) - y) ** 2)
-
-
-def build_with_loss() -> FlaxModule:
-    """``WithLoss`` with ``build()``'s initial weights."""
-    base = build()
-
-    def dense(linear):
-        return {"kernel": linear.weight.detach().numpy().T.copy(),
-                "bias": linear.bias.detach().numpy().copy()}
-
-    block = {"stack": {k: np.asarray(v).copy() for k, v in
-                       base[1].flax_variables()["params"]["stack"].items()}}
-    return FlaxModule(WithLoss(), variables={"params": {
-        "inp": dense(base[0]), "block": block, "out": dense(base[2])}})
 
 
 def train(model, rank: int, world: int, device, loss_inside: bool) -> None:
@@ -96,7 +72,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
     for loss_inside, path in ((False, out), (True, f"{out}.loss")):
-        model = (build_with_loss() if loss_inside else build()).to(device)
+        model = (with_loss(build(), Block()) if loss_inside else build()).to(device)
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[rank] if device.type == "cuda" else None,

@@ -19,11 +19,10 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.loss_inside import with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 8
@@ -54,27 +53,9 @@ class TorchBlock(torch.nn.Module):
         return x + self.l2(torch.tanh(self.l1(x)))
 
 
-class WithLoss(nn.Module):
-    """``build("flax")``'s model and its mean squared error, all in Flax: a scalar output."""
-
-    @nn.compact
-    def __call__(self, x, y):
-        h = Block(name="block")(nn.Dense(8, name="inp")(x))
-        return jnp.mean((nn.Dense(1, name="out")(h) - y) ** 2)
-
-
-def _dense(linear: torch.nn.Linear) -> dict:
-    return {"kernel": linear.weight.detach().numpy().T.copy(),
-            "bias": linear.bias.detach().numpy().copy()}
-
-
 def build(kind: str) -> torch.nn.Module:
     if kind == "flax-loss":
-        base = build("flax")
-        block = {k: {n: np.asarray(a).copy() for n, a in v.items()}
-                 for k, v in base[1].flax_variables()["params"].items()}
-        return FlaxModule(WithLoss(), variables={"params": {
-            "inp": _dense(base[0]), "block": block, "out": _dense(base[2])}})
+        return with_loss(build("flax"), Block())
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 8),

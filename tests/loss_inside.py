@@ -1,0 +1,42 @@
+"""A model ``Sequential(Linear, FlaxModule(block), Linear)`` and its loss in one FlaxModule.
+
+The DDP and FSDP2 workers train both: the second is the same function from the same
+weights with a scalar output, so it takes the scalar-loss route (its gradients are
+computed in the forward and handed to ``.grad`` in the backward).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchside import FlaxModule
+
+
+class WithLoss(nn.Module):
+    """``Dense -> block -> Dense`` and the mean squared error against ``y``."""
+
+    block: nn.Module
+    width: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x, y):
+        h = self.block(nn.Dense(self.width, name="inp")(x))
+        return jnp.mean((nn.Dense(self.out, name="out")(h) - y) ** 2)
+
+
+def with_loss(model: torch.nn.Sequential, block: nn.Module) -> FlaxModule:
+    """``model``'s function and weights, and its mean squared error, in one FlaxModule."""
+
+    def dense(linear):
+        return {"kernel": linear.weight.detach().numpy().T.copy(),
+                "bias": linear.bias.detach().numpy().copy()}
+
+    inp, flax, out = model
+    params = {"inp": dense(inp), "out": dense(out),
+              "block": jax.tree_util.tree_map(lambda a: np.asarray(a).copy(),
+                                              flax.flax_variables()["params"])}
+    return FlaxModule(WithLoss(block, inp.out_features, out.out_features),
+                      variables={"params": params})
