@@ -2,10 +2,13 @@
 
 ``prepare`` / ``backward`` / ``accumulate``, ``save_state`` + ``load_state`` and
 ``mixed_precision="bf16"`` (the FlaxModule then gets bf16 activations and runs in float32,
-issue 15), on one CPU process.
+issue 15), on one CPU process; and a model whose loss is inside the FlaxModule (the
+scalar-loss route: accelerate scales its loss for accumulation, and the second micro-batch
+accumulates into gradients handed over by the first) against its torch twin.
 """
 
 import flax.linen as nn
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -133,3 +136,45 @@ def test_mixed_precision_bf16_equals_a_plain_loop_under_autocast():
     final = _state(model)
     assert all(v.dtype == torch.float32 for v in final.values())
     torch.testing.assert_close(final, _plain(autocast=True))
+
+
+class WithLoss(nn.Module):
+    @nn.compact
+    def __call__(self, x, y):
+        h = nn.tanh(nn.Dense(WIDTH)(x))  # Dense_0
+        return jnp.mean((nn.Dense(1)(h) - y) ** 2)  # Dense_1
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_a_loss_inside_the_module_accumulates_like_its_torch_twin(precision):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision=precision)
+    torch.manual_seed(0)
+    model = FlaxModule(WithLoss(), example_args=(torch.zeros(2, 8), torch.zeros(2, 1)))
+    layers = torch.nn.Linear(8, WIDTH), torch.nn.Linear(WIDTH, 1)
+    with torch.no_grad():
+        for lin, dense in zip(layers, (model.params.Dense_0, model.params.Dense_1), strict=True):
+            lin.weight.copy_(dense.kernel.T)
+            lin.bias.copy_(dense.bias)
+    prepared, opt, loader = accelerator.prepare(model, _optimizer(model), _loader())
+    for _ in range(2):
+        for x, y in loader:
+            with accelerator.accumulate(prepared):
+                accelerator.backward(prepared(x, y))
+                opt.step()
+                opt.zero_grad()
+    twin_opt = _optimizer(torch.nn.ModuleList(layers))
+    for _ in range(2):
+        for i, (x, y) in enumerate(_loader()):
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+                out = layers[1](torch.tanh(layers[0](x)))
+            (((out.float() - y) ** 2).mean() / 2).backward()
+            if i % 2:
+                twin_opt.step()
+                twin_opt.zero_grad()
+    # The block runs in float32 under autocast (its bf16 loss is cast back): against the
+    # twin's bf16 layers, bf16's precision relative to the weights' size.
+    atol = 1e-6 if precision == "no" else 2e-3
+    for lin, dense in zip(layers, (model.params.Dense_0, model.params.Dense_1), strict=True):
+        scale = float(lin.weight.detach().abs().max())
+        torch.testing.assert_close(dense.kernel.T, lin.weight, rtol=0, atol=atol * scale)
+        torch.testing.assert_close(dense.bias, lin.bias, rtol=0, atol=atol * scale)
