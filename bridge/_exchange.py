@@ -307,7 +307,7 @@ class DlpackExchange:
         tensors = [torch.from_dlpack(a) for a in arrays]
         if recorders:
             record("jax->torch", device,
-                    tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
+                   tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
         return arrays, tensors
 
     @staticmethod

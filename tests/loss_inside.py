@@ -34,9 +34,9 @@ def with_loss(model: torch.nn.Sequential, block: nn.Module) -> FlaxModule:
         return {"kernel": linear.weight.detach().numpy().T.copy(),
                 "bias": linear.bias.detach().numpy().copy()}
 
-    inp, flax, out = model
+    inp, wrapped, out = model
     params = {"inp": dense(inp), "out": dense(out),
               "block": jax.tree_util.tree_map(lambda a: np.asarray(a).copy(),
-                                              flax.flax_variables()["params"])}
+                                              wrapped.flax_variables()["params"])}
     return FlaxModule(WithLoss(block, inp.out_features, out.out_features),
                       variables={"params": params})

@@ -90,7 +90,8 @@ def test_mixed_precision_policy_trains_like_the_torch_twin(runs, kind):
     """
     got, initial = runs("sharded", kind)["final"], runs("sharded", "torch-bf16")["initial"]
     twin = runs("sharded", "torch-bf16")["final"]
-    got, fp32 = _as_twin(got, kind), _as_twin(runs("sharded", kind[:-5])["final"], kind)
+    fp32 = _as_twin(runs("sharded", kind.removesuffix("-bf16"))["final"], kind)
+    got = _as_twin(got, kind)
     assert set(got) == set(twin)
     for name, value in twin.items():
         step = value - initial[name]
