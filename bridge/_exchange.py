@@ -9,9 +9,9 @@ NOTE [Exchange]. Every route is zero-copy where JAX can use the memory in place.
 * DLPack (CUDA, or any device with ``FLAXTORCH_EXCHANGE=dlpack``): ``__dlpack__`` both
   ways. The forced mode sends CPU tensors through this code so that CI runs it.
 
-Held arrays (``HeldArrays``): an owner's parameters and buffers keep their memory from
-call to call (optimizers and ``load_state_dict`` write in place), so each gets one JAX
-array over that memory, reused while the tensor's address, device, dtype, shape, strides
+Held arrays (``HeldArrays`` in ``_held.py``): an owner's parameters and buffers keep their
+memory from call to call (optimizers and ``load_state_dict`` write in place), so each gets
+one JAX array over that memory, reused while the tensor's address, device, dtype, shape, strides
 and flags are unchanged, and replaced (releasing the old one) at the first call that sees
 otherwise. Old bits are never read as a new dtype or shape, nor one device's memory as
 another's.
@@ -52,17 +52,17 @@ from bridge._ordering import record, recorders
 ALIGNMENT = 64  # bytes; XLA's CPU client copies host buffers aligned less than this.
 
 EXCHANGE_MODES = ("auto", "dlpack")
-_mode = os.environ.get("FLAXTORCH_EXCHANGE", "auto")
-if _mode not in EXCHANGE_MODES:
+_exchange_mode = os.environ.get("FLAXTORCH_EXCHANGE", "auto")
+if _exchange_mode not in EXCHANGE_MODES:
     raise ValueError(
-        f"flaxtorch: FLAXTORCH_EXCHANGE={_mode!r} is not one of {EXCHANGE_MODES}: 'auto' uses "
-        f"pointer views on CPU and DLPack on CUDA, 'dlpack' uses DLPack everywhere."
+        f"flaxtorch: FLAXTORCH_EXCHANGE={_exchange_mode!r} is not one of {EXCHANGE_MODES}: "
+        f"'auto' uses pointer views on CPU and DLPack on CUDA, 'dlpack' uses DLPack everywhere."
     )
 
 
 def exchange_mode() -> str:
     """``"auto"`` (pointer views on CPU, DLPack on CUDA) or ``"dlpack"`` (DLPack everywhere)."""
-    return _mode
+    return _exchange_mode
 
 
 def set_exchange_mode(mode: str) -> str:
@@ -72,10 +72,10 @@ def set_exchange_mode(mode: str) -> str:
     exports, one fence per call), so that it runs without a GPU. Also settable with the
     environment variable ``FLAXTORCH_EXCHANGE``.
     """
-    global _mode
+    global _exchange_mode
     if mode not in EXCHANGE_MODES:
         raise ValueError(f"set_exchange_mode: mode={mode!r} is not one of {EXCHANGE_MODES}.")
-    previous, _mode = _mode, mode
+    previous, _exchange_mode = _exchange_mode, mode
     return previous
 
 
@@ -325,73 +325,4 @@ def _exchange(device: torch.device, mode: str):
 
 def exchange_for(device: torch.device):
     """The exchange for tensors on ``device`` under the current mode (one per device)."""
-    return _exchange(device, _mode)
-
-
-class HeldArrays:
-    """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
-
-    Per slot it keeps the tensor's address, dtype, shape, ``requires_grad``, exchange, the
-    array (``None`` when the tensor cannot be held: a non-leaf, such as an autocast copy or
-    a parametrized weight, unaligned or non-compact memory; those get a fresh view each
-    call) and device. See NOTE [Exchange] for when a held array is valid.
-    """
-
-    __slots__ = ("_slots",)
-
-    def __init__(self):
-        self._slots: list = []
-
-    def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
-        """Arrays for ``tensors`` (one per slot), and whether a signature-relevant flag changed.
-
-        Signature-relevant: a device, dtype, shape or grad flag. A slot whose tensor moved
-        (same device, dtype and shape, another address or layout) gets a new array, which is
-        no change of signature. ``grads`` replaces the tensors' ``requires_grad`` flags
-        (inside a custom op, tensors arrive detached).
-
-        Raises:
-            ValueError: a tensor is not on ``exchange``'s device (nothing is held for it).
-        """
-        slots = self._slots
-        changed = len(slots) != len(tensors)
-        if changed:
-            slots[:] = [None] * len(tensors)
-        out = []
-        for i, t in enumerate(tensors):
-            s = slots[i]
-            ptr = t.data_ptr()
-            grad = t.requires_grad if grads is None else grads[i]
-            if s is not None and s[0] == ptr and s[4] is exchange:
-                if s[1] is t.dtype and s[2] == t.shape and s[3] == grad:
-                    array = s[5]
-                    if array is None:
-                        out.append(exchange.view(t))
-                        continue
-                    if in_place(t):  # not so: a same-address view with other strides
-                        out.append(array)
-                        continue
-            # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
-            if (s is None or s[1] is not t.dtype or s[2] != t.shape or s[3] != grad
-                    or s[6] != t.device):
-                changed = True
-            array = exchange.hold(t)
-            slots[i] = (ptr, t.dtype, t.shape, grad, exchange, array, t.device)
-            out.append(exchange.view(t) if array is None else array)
-        return out, changed
-
-    def get(self, slot: int, tensor: torch.Tensor, exchange):
-        """The held array of ``slot`` if ``tensor`` is still its tensor, else a fresh view.
-
-        Nothing new is held: in a backward, saved-tensor hooks may hand back temporary
-        copies.
-        """
-        s = self._slots[slot] if slot < len(self._slots) else None
-        if (s is not None and s[5] is not None and s[0] == tensor.data_ptr() and s[4] is exchange
-                and s[1] is tensor.dtype and s[2] == tensor.shape and in_place(tensor)):
-            return s[5]
-        return exchange.view(tensor)
-
-    def clear(self) -> None:
-        """Releases every held array."""
-        self._slots = []
+    return _exchange(device, _exchange_mode)

@@ -8,27 +8,17 @@ from bridge._devices import default_torch_device as default_torch_device
 from bridge._dtypes import narrow_to_int32 as narrow_to_int32
 from bridge._dtypes import narrows_to_int32 as narrows_to_int32
 from bridge._exchange import ALIGNMENT as ALIGNMENT
-from bridge._exchange import CpuExchange as CpuExchange
-from bridge._exchange import DlpackExchange as DlpackExchange
-from bridge._exchange import HeldArrays as HeldArrays
-from bridge._exchange import cpu_tensor as cpu_tensor
-from bridge._exchange import cpu_view as cpu_view
 from bridge._exchange import exchange_for as exchange_for
-from bridge._exchange import in_place as in_place
+from bridge._held import HeldArrays as HeldArrays
 from bridge._ordering import OrderingEvent as OrderingEvent
 from bridge._ordering import record_ordering as record_ordering
 
 __all__ = [
     "ALIGNMENT",
-    "CpuExchange",
-    "DlpackExchange",
     "HeldArrays",
     "OrderingEvent",
-    "cpu_tensor",
-    "cpu_view",
     "default_torch_device",
     "exchange_for",
-    "in_place",
     "narrow_to_int32",
     "narrows_to_int32",
     "record_ordering",

@@ -13,3 +13,15 @@ from flaxside._stack import remat_stack as remat_stack
 from flaxside._stack_args import policy_names as policy_names
 from flaxside._stack_core import stack_apply as stack_apply
 from flaxside._stack_nnx import NnxRematStack as NnxRematStack
+
+__all__ = [
+    "LengthsChoice",
+    "MemoryReport",
+    "NnxRematStack",
+    "RematStack",
+    "choose_stack_lengths",
+    "memory_report",
+    "policy_names",
+    "remat_stack",
+    "stack_apply",
+]

@@ -17,6 +17,9 @@ hold, save and draw them, and unsigned 16/32/64-bit state as the signed dtype of
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,10 +169,13 @@ class Graph:
     A forward that changes a plain Python attribute returns a new ``Graph``, which the next
     call uses, as ``nnx.jit`` propagates it. A graph that holds an unhashable attribute
     hashes to 0 and is told apart by comparison alone. Nothing keeps a ``Graph`` but the
-    module and the signatures that use it, so graphs are dropped with them.
+    module and the signatures that use it, so graphs are dropped with them. ``key``, an
+    int unique in the process, names it where only ints can go (``Graph.find``).
     """
 
-    __slots__ = ("graphdef", "_hash")
+    __slots__ = ("graphdef", "key", "_hash", "__weakref__")
+    _keys = itertools.count()
+    _by_key: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def __init__(self, graphdef):
         self.graphdef = graphdef
@@ -177,6 +183,16 @@ class Graph:
             self._hash = hash(graphdef)
         except TypeError:
             self._hash = 0
+        self.key = next(Graph._keys)
+        Graph._by_key[self.key] = self
+
+    def __reduce__(self):  # a copy or an unpickled graph gets a key of its own
+        return Graph, (self.graphdef,)
+
+    @staticmethod
+    def find(key: int) -> Graph:
+        """The graph with this ``key``; ``KeyError`` if it was dropped."""
+        return Graph._by_key[key]
 
     def __eq__(self, other):
         return self is other or (isinstance(other, Graph) and self._hash == other._hash

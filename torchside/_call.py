@@ -1,43 +1,46 @@
 """The call pipeline: one call of an owner (``FlaxModule``, ``jax_function``), eager or compiled.
 
 NOTE [Call path]. An owner hands its ``Caller`` what it fixes at construction
-(``Settings``); a call passes only what changes, and the owner's ``write_back``:
+(``Settings``); a call passes only what changes, resolved, and the owner's ``write_back``:
 
-    caller(variables, args, kwargs, mode, write_back) -> outputs
+    caller(resolve(...), write_back) -> outputs
 
-1. ``split_args``: the tensor leaves, the structure, a key per static value.
+1. ``resolve`` (``_resolve.py``, NOTE [Resolve]): the variables the call reads, its
+   tensors and static values, autocast's casts, its device and the owner's mode, as one
+   ``Call``. Every route starts here.
 2. ``Caller.prepare``: the variables' held arrays (``bridge.internal.HeldArrays``), the
    ``Signature``, its ``Entry`` from the LRU cache (built on a miss, ``_build.build``), and
-   the RNG leaf, drawn from torch's generator only if the entry's programs read it.
+   the RNG leaf, drawn from torch's generator only if the entry's programs read it
+   (``Entry.leaves`` places it).
 3. The edge, the one step where eager and compiled calls differ: eagerly
-   ``BridgeFunction`` (no autograd at all when nothing needs a gradient); under
-   ``torch.compile`` the ``flaxtorch::forward`` op (``_compile.py``), whose implementation
-   is steps 2 and 4 again.
+   ``BridgeFunction`` (``_function.py``; no autograd at all when nothing needs a
+   gradient); under ``torch.compile`` the ``flaxtorch::forward`` op (``_compile.py``),
+   whose implementation is steps 2 and 4 again.
 4. ``Entry.forward`` (``_entry.py``): views of the arguments, the entry's executable
    through the exchange's ``run`` (NOTE [Exchange] in ``bridge/_exchange.py``);
-   ``save_for_backward`` keeps what the backward reads, so that torch's saved-tensor hooks
-   and version counters see it.
-5. ``write_back(entry.write_back, updates)``: the owner copies updated state into its
-   buffers (and, for NNX, takes the graph the call left).
+   ``save_for_backward`` keeps what the backward reads (``SavedLayout``), so that torch's
+   saved-tensor hooks and version counters see it.
+5. ``write_back``: the owner copies updated state into its buffers (and, for NNX, takes
+   the graph the call left); ``apply_write_back`` is shared by both routes.
 
 Backward: ``Entry.backward`` views what was saved (held arrays reused) and runs the
 backward program through the exchange (for a scalar loss, whose forward ran
-``value_and_grad``, ``Entry.scaled`` scales the saved gradients instead: NOTE [Scalar
-loss]); ``Entry.gradients`` hands each leaf its gradient (a view of a packed buffer),
-``None`` where no used output depends on it.
+``value_and_grad``, ``scaled`` scales the saved gradients instead: NOTE [Scalar loss] in
+``_function.py``); ``Entry.gradients`` hands each leaf its gradient (a view of a packed
+buffer), ``None`` where no used output depends on it.
 
-A cached forward and backward of a ``FlaxModule`` runs code of four files: ``_module.py``,
-this one, ``_entry.py`` and ``bridge/_exchange.py``; ``flaxside`` compiles the programs at
-their first use and is not called again.
+A cached eager forward and backward of a ``FlaxModule`` runs our code in ``_module.py``,
+``_resolve.py``, this file, ``_function.py``, ``_entry.py``, ``bridge/_held.py`` and
+``bridge/_exchange.py``, and, on the "residuals" route, ``flaxside/_program.py`` (a
+lambda that drops the residual map from ``forward_with_residuals``'s results); the rest of
+``flaxside`` runs only when a signature's programs are built.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import struct
 import threading
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -45,20 +48,18 @@ import jax
 import torch
 
 from bridge.internal import HeldArrays, exchange_for
-from flaxside.internal import ARRAY
-from torchside import _build
-from torchside._entry import Entry, apply_bridge, under_torch_func
+from torchside import _build, _checks, _errors
+from torchside._compile import CALLERS, compiled_call
+from torchside._entry import Entry, apply_write_back
+from torchside._function import apply_bridge
 from torchside._options import check_choice, check_positive_int
 from torchside._recompile import RecompileMonitor
+from torchside._resolve import Call
 
 jtu = jax.tree_util
 
 RESIDUAL_MODES = ("save", "split", "recompute")
-_CPU = torch.device("cpu")
 
-# Callers by compile id, for torch.compile's ops, which carry only ints and strings. Weak:
-# nothing here outlives its owner.
-CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _caller_ids = itertools.count(1)
 
 
@@ -83,56 +84,50 @@ class Settings(NamedTuple):
     rng_shape: tuple[int, ...] | None = None
 
 
+class TensorKey(NamedTuple):
+    """One tensor as a signature sees it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    needs_grad: bool
+
+
 class Signature(NamedTuple):
-    """Everything an entry depends on; calls with equal signatures share one."""
+    """Everything an entry depends on; calls with equal signatures share one.
 
-    args: Any  # treedef of (args, kwargs)
-    statics: tuple  # per leaf: ARRAY, or a key of the static value (static_key)
-    arrays: tuple  # per tensor argument: (shape, dtype, device, needs grad)
-    variables: tuple  # per variable leaf: (shape, dtype, device, needs grad)
-    mode: Hashable  # the owner's mode (train/eval, the NNX graph)
+    Attributes:
+        arg_treedef: the structure of the call's ``(args, kwargs)``.
+        statics: per argument leaf, ``ARRAY`` or the key of a static value.
+        tensors: per tensor argument, its ``TensorKey``.
+        variables: per variable, its ``TensorKey``.
+        mode: the owner's mode (train/eval, the NNX graph).
+        x64: whether JAX runs with 64-bit types.
+        exchange: how tensors cross (``bridge.internal.exchange_for``: device and route).
+    """
+
+    arg_treedef: Any
+    statics: tuple
+    tensors: tuple[TensorKey, ...]
+    variables: tuple[TensorKey, ...]
+    mode: Hashable
     x64: bool
-    exchange: Any  # bridge's exchange: device and route
+    exchange: Any
 
 
-def static_key(value) -> tuple:
-    """A key that tells apart static values that compute differently.
+class Prepared(NamedTuple):
+    """Step 2 of NOTE [Call path] for one call.
 
-    ``0.0 == -0.0`` and ``1 == 1.0 == True`` but they compute differently, and ``nan !=
-    nan`` would never find its own program: floats are keyed by their bits, all by type.
+    Attributes:
+        entry: the signature's ``Entry``.
+        state_arrays: JAX arrays of the state leaves: the variables' (held), then the
+            RNG leaf's.
+        leaves: every leaf as a torch tensor, in the programs' order (``Entry.leaves``).
     """
-    if isinstance(value, float):
-        return (float, struct.pack("<d", value))
-    if isinstance(value, complex):
-        return (complex, struct.pack("<dd", value.real, value.imag))
-    tobytes = getattr(value, "tobytes", None)  # numpy scalars
-    if tobytes is not None and getattr(value, "ndim", None) == 0:
-        return (type(value), tobytes())
-    return (type(value), value)
 
-
-def split_args(args: tuple, kwargs: dict, where: str):
-    """``(tensors, treedef, statics, values)`` of a call's arguments (step 1).
-
-    ``statics`` per leaf ``ARRAY`` or the key of a static value, ``values`` every leaf.
-
-    Raises:
-        TypeError: a non-tensor leaf is unhashable, so it cannot be part of a compile key.
-    """
-    leaves, treedef = jtu.tree_flatten((args, kwargs))
-    tensors, statics = [], []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            statics.append(ARRAY)
-        else:
-            statics.append(static_key(leaf))
-    statics = tuple(statics)
-    try:
-        hash(statics)
-    except TypeError:
-        raise _build.unhashable_static(leaves, treedef, where) from None
-    return tensors, treedef, statics, leaves
+    entry: Entry
+    state_arrays: list
+    leaves: list
 
 
 class Caller:
@@ -224,85 +219,73 @@ class Caller:
         return entry if entry is not None and entry.key == key else self.lookup(
             sig, [None] * len(sig.statics))
 
-    def signature(self, variables, tensors, treedef, statics, mode, grads, var_grads,
-                  exchange, cached: bool = True) -> Signature:
+    def signature(self, call: Call, grads, var_grads, exchange,
+                  cached: bool = True) -> Signature:
         """The signature of a call.
 
-        ``grads`` / ``var_grads``: per argument / variable whether it needs a gradient;
-        ``var_grads=None`` takes each variable's ``requires_grad`` under the grad mode. The
-        variables' part is cached per grad mode (or flags) until one of them changes.
+        ``grads`` / ``var_grads``: per tensor argument / variable whether it needs a
+        gradient; ``var_grads=None`` takes each variable's ``requires_grad`` under the grad
+        mode. The variables' part is cached per grad mode (or flags) until one of them
+        changes (``cached=False``: neither read nor written, for stand-in tensors).
         """
         flags = torch.is_grad_enabled() if var_grads is None else var_grads
         key = self._var_keys.get(flags) if cached else None
         if key is None:
             if var_grads is None:
-                key = tuple((t.shape, t.dtype, t.device, flags and t.requires_grad)
-                            for t in variables)
-            else:
-                key = tuple((t.shape, t.dtype, t.device, g)
-                            for t, g in zip(variables, var_grads, strict=True))
+                var_grads = [flags and t.requires_grad for t in call.variables]
+            key = tuple(TensorKey(t.shape, t.dtype, t.device, g)
+                        for t, g in zip(call.variables, var_grads, strict=True))
             if cached:
                 self._var_keys[flags] = key
-        return Signature(treedef, statics,
-                         tuple((t.shape, t.dtype, t.device, g)
-                               for t, g in zip(tensors, grads, strict=True)),
-                         key, mode, jax.config.jax_enable_x64, exchange)
+        return Signature(call.arg_treedef, call.statics,
+                         tuple(TensorKey(t.shape, t.dtype, t.device, g)
+                               for t, g in zip(call.tensors, grads, strict=True)),
+                         key, call.mode, jax.config.jax_enable_x64, exchange)
 
-    def prepare(self, variables, tensors, treedef, statics, values, mode, grads,
-                var_grads=None, remember: bool = False):
-        """Step 2 of NOTE [Call path]: ``(entry, state arrays, leaves)`` of one call.
+    def prepare(self, call: Call, grads, var_grads=None, remember: bool = False,
+                draw_rng: bool = True) -> Prepared:
+        """Step 2 of NOTE [Call path] for ``call``.
 
         Args:
-            variables: the owner's variable tensors.
-            tensors: the tensor arguments.
-            treedef: the structure of ``(args, kwargs)`` (``split_args``).
-            statics: per leaf ``ARRAY`` or a static value's key (``split_args``).
-            values: every leaf of ``(args, kwargs)`` (``split_args``).
-            mode: the owner's mode.
+            call: the resolved call.
             grads: per tensor argument, whether it needs a gradient.
             var_grads: per variable, whether it may need one (``None``: grad mode).
             remember: see ``lookup``.
-
-        Returns:
-            The entry, the arrays of the state leaves (variables, then the RNG leaf), and
-            every leaf (variables, the RNG leaf, the arguments).
+            draw_rng: ``False`` never draws a key (the RNG leaf is zeros): for a call that
+                does not run (``memory_report``).
         """
-        lead = variables[0] if variables else (tensors[0] if tensors else None)
-        device = lead.device if lead is not None else _CPU
         try:
-            exchange = exchange_for(device)
-            arrays, changed = self.held.arrays(variables, exchange, var_grads)
+            exchange = exchange_for(call.device)
+            state_arrays, changed = self.held.arrays(call.variables, exchange, var_grads)
         except Exception:
-            _build.explain_state_error(self.settings, variables, tensors, treedef, statics,
-                                       device)
+            _checks.explain_state_error(self.settings.var_names, call, self.where)
             raise
         if changed:
             self._var_keys = {}
-        sig = self.signature(variables, tensors, treedef, statics, mode, grads, var_grads,
-                             exchange)
-        entry = self.lookup(sig, values, remember)
-        leaves = list(variables)
-        if entry.n_state > entry.n_vars:
-            rng = entry.rng(self.settings.rng_shape)
-            leaves.append(rng)
-            arrays.append(exchange.view(rng))
-        leaves += tensors
-        return entry, arrays, leaves
-
-    def __call__(self, variables: list, args: tuple, kwargs: dict, mode: Hashable = None,
-                 write_back: Callable | None = None):
-        """Runs one eager call (NOTE [Call path]); returns the outputs' pytree."""
-        if torch._C._are_functorch_transforms_active():
-            raise under_torch_func(self.where)
-        tensors, treedef, statics, values = split_args(args, kwargs, self.where)
-        grad = torch.is_grad_enabled()
-        entry, arrays, leaves = self.prepare(variables, tensors, treedef, statics, values,
-                                             mode, tuple(grad and t.requires_grad
-                                                         for t in tensors))
-        if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
-            results = apply_bridge(entry, self.held, arrays, *leaves)
+        sig = self.signature(call, grads, var_grads, exchange)
+        entry = self.lookup(sig, call.values, remember)
+        if entry.has_rng:
+            rng = entry.rng(self.settings.rng_shape, draw_rng)
+            state_arrays.append(exchange.view(rng))
         else:
-            results = entry.forward(arrays, leaves)[0]
-        if write_back is not None and entry.writes:
-            write_back(entry.write_back, results[entry.n_out : entry.n_results])
+            rng = None
+        return Prepared(entry, state_arrays, entry.leaves(call.variables, rng, call.tensors))
+
+    def __call__(self, call: Call, write_back: Callable | None = None):
+        """Runs one call (NOTE [Call path]); returns the outputs' pytree.
+
+        Under ``torch.compile`` the call is the custom ops of ``_compile.py``.
+        """
+        if call.arg_treedef is None:  # resolved under torch.compile
+            return compiled_call(self, call, write_back)
+        if torch._C._are_functorch_transforms_active():
+            raise _errors.under_torch_func(self.where)
+        grad = torch.is_grad_enabled()
+        entry, state_arrays, leaves = self.prepare(
+            call, tuple(grad and t.requires_grad for t in call.tensors))
+        if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
+            results = apply_bridge(entry, self.held, state_arrays, *leaves)
+        else:
+            results = entry.forward(state_arrays, leaves).results
+        apply_write_back(write_back, entry.write_back, results, entry.n_out)
         return jtu.tree_unflatten(entry.out_treedef, results[: entry.n_out])

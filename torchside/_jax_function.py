@@ -10,6 +10,7 @@ import jax
 from flaxside.internal import WriteBack
 from torchside._call import Caller, Settings
 from torchside._owner import CallerOwner
+from torchside._resolve import resolve
 
 _NO_STATE = jax.tree_util.tree_structure(((), None))
 
@@ -41,7 +42,8 @@ class JaxFunction(CallerOwner):
 
     def __call__(self, *args, **kwargs):
         """Runs ``fn`` on pytrees of tensors (and static values); returns tensors."""
-        return self._caller([], args, kwargs)
+        caller = self._caller
+        return caller(resolve([], args, kwargs, mode=None, where=caller.where))
 
 
 def jax_function(fn: Callable | None = None, *, residuals: str = "save", cache_size: int = 32,

@@ -7,17 +7,15 @@ import torch
 
 import bridge
 from flaxside.internal import adapter_for, key_data_shape, program_report
-from torchside._build import jax_device_for
-from torchside._call import Caller, Settings, split_args
-from torchside._compile import compiled_call
-from torchside._init import init_linen_from_torch
+from torchside import _errors
+from torchside._call import Caller, Settings
+from torchside._linen_init import init_linen_from_torch
 from torchside._options import check_choice
 from torchside._owner import CallerOwner
+from torchside._resolve import AUTOCAST_MODES, Call, resolve
 from torchside._variables import attach_variables
 
 jtu = jax.tree_util
-
-AUTOCAST_MODES = ("outputs", "inputs", "off")
 
 
 class FlaxModule(CallerOwner, torch.nn.Module):
@@ -54,10 +52,10 @@ class FlaxModule(CallerOwner, torch.nn.Module):
             and backward, except for a scalar loss: when the one differentiable output is a
             real scalar, a grad-enabled eager call runs one fused program (JAX's
             ``jit(value_and_grad)``) at forward and holds the gradients, which the backward
-            scales by the incoming gradient (README, "Routes"). ``"split"`` holds the
-            policy's residuals for a scalar loss too (two programs); ``"recompute"`` holds
-            only the inputs and reruns the forward in the backward, like
-            ``torch.utils.checkpoint`` around the whole block.
+            scales by the incoming gradient (NOTE [Scalar loss] in ``_function.py``).
+            ``"split"`` holds the policy's residuals for a scalar loss too (two programs);
+            ``"recompute"`` holds only the inputs and reruns the forward in the backward,
+            like ``torch.utils.checkpoint`` around the whole block.
         autocast: behaviour under ``torch.autocast``: ``"outputs"`` (default) runs the
             block in its parameters' dtype (floating inputs are cast to it) and casts
             floating outputs to the autocast dtype, as torch casts a Linear's output;
@@ -165,7 +163,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         for a block inside a network. ``held_bytes`` is what the call saves for backward
         besides the parameters, buffers, arguments and outputs: the residuals, a drawn RNG
         key, copies of written-back state; for a scalar loss with ``residuals="save"``, the
-        gradient buffers (NOTE [Scalar loss] in ``_entry.py``). The compiled programs stay
+        gradient buffers (NOTE [Scalar loss] in ``_function.py``). The compiled programs stay
         cached for the call.
 
         Returns:
@@ -180,33 +178,30 @@ class FlaxModule(CallerOwner, torch.nn.Module):
             >>> layer.memory_report(torch.zeros(2, 4)).param_bytes
             60
         """
-        caller, variables = self._caller, self._current_tensors()
-        tensors, treedef, statics, values = split_args(example_args, example_kwargs,
-                                                       caller.where)
-        lead = variables[0] if variables else (tensors[0] if tensors else None)
-        device = lead.device if lead is not None else torch.device("cpu")
-        jax_device_for(device, "memory_report", caller.where)  # a device JAX can reach
+        caller = self._caller
+        call = self._resolve(example_args, example_kwargs)
         with torch.enable_grad():  # the signature of a training call
-            sig = caller.signature(
-                variables, tensors, treedef, statics, self._mode(),
-                tuple(t.is_floating_point() or t.is_complex() for t in tensors), None,
-                bridge.internal.exchange_for(device))
-        entry = caller.lookup(sig, values)
+            entry = caller.prepare(
+                call, tuple(t.is_floating_point() or t.is_complex() for t in call.tensors),
+                draw_rng=False).entry
         if not entry.grad_slots:
-            raise ValueError(
-                f"{caller.where}.memory_report: nothing in the call requires grad (no "
-                f"floating parameter that requires grad, no floating argument), so there is "
-                f"no backward to measure."
-            )
+            raise _errors.nothing_to_report(caller.where)
         param_bytes = sum(t.numel() * t.element_size()
-                          for t, p in zip(variables, self._is_param, strict=True) if p)
+                          for t, p in zip(call.variables, self._is_param, strict=True) if p)
         return program_report(entry.program, param_bytes=param_bytes,
                               held=_held_besides_residuals(entry), recompute=entry.recompute,
                               fused=entry.fuses)
 
     # -- the call -----------------------------------------------------------------------
-    def _mode(self):
+    def _call_mode(self):
+        """The mode a call compiles for: train/eval, and for NNX the module graph."""
         return (self.training, self._graph) if self._nnx else self.training
+
+    def _resolve(self, args: tuple, kwargs: dict) -> Call:
+        """Step 1 of NOTE [Call path] (``_resolve.py``)."""
+        return resolve(self._variables(), args, kwargs, mode=self._call_mode(),
+                       where=self._caller.where, autocast=self.autocast,
+                       is_param=self._is_param)
 
     def _current_tensors(self) -> list[torch.Tensor]:
         """The variables' tensors now, read as torch modules read them.
@@ -238,52 +233,20 @@ class FlaxModule(CallerOwner, torch.nn.Module):
                         hook(scope, ())
         return self._current_tensors()
 
-    def _write_back(self, write_back, updates) -> None:
+    def _write_back(self, wb, updates) -> None:
         """Step 5 of NOTE [Call path]: updated state into the buffers, the NNX graph after."""
         if updates:
             variables = self._current_tensors()
             with torch.no_grad():
-                for i, new in zip(write_back.targets, updates, strict=True):
+                for i, new in zip(wb.targets, updates, strict=True):
                     variables[i].copy_(new)
-        if write_back.graph is not None:
-            self._graph = write_back.graph
+        if wb.graph is not None:
+            self._graph = wb.graph
 
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
-        variables = self._variables()
-        if torch.compiler.is_compiling():  # the one step that differs: NOTE [Call path]
-            return compiled_call(self._caller, variables, args, kwargs, self._mode(),
-                                 self._write_back)
-        leaves = variables
-        cast = self._autocast_dtype(variables)
-        if cast is not None:
-            if self.autocast == "inputs":
-                leaves = [_cast(v, cast) if p else v
-                          for v, p in zip(variables, self._is_param, strict=True)]
-                args, kwargs = _cast_tree((args, kwargs), cast)
-            else:  # "outputs": the block runs in its parameters' dtype, inputs included
-                own = self._compute_dtype(variables)
-                if own is not None:
-                    args, kwargs = _cast_tree((args, kwargs), own)
-        outs = self._caller(leaves, args, kwargs, self._mode(), self._write_back)
-        if cast is not None and self.autocast == "outputs":
-            outs = _cast_tree(outs, cast)
-        return outs
-
-    def _autocast_dtype(self, variables):
-        if self.autocast == "off":
-            return None
-        device_type = variables[0].device.type if variables else "cpu"
-        # Only cpu and cuda can run a call (others are refused with the device error).
-        if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-
-    def _compute_dtype(self, variables):
-        """The dtype of the floating parameters (``None`` if they have several or none)."""
-        dtypes = {v.dtype for v, p in zip(variables, self._is_param, strict=True)
-                  if p and v.is_floating_point()}
-        return dtypes.pop() if len(dtypes) == 1 else None
+        call = self._resolve(args, kwargs)
+        return call.finish(self._caller(call, self._write_back))
 
     # -- dtype and device moves ---------------------------------------------------------
     def to(self, *args, **kwargs):  # noqa: D102
@@ -325,10 +288,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         targets = self._current_tensors()
         for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
             if tuple(leaf.shape) != tuple(t.shape):
-                raise ValueError(
-                    f"load_flax_variables: '{name}' has shape {tuple(leaf.shape)}, expected "
-                    f"{tuple(t.shape)}."
-                )
+                raise _errors.flax_shape(name, tuple(leaf.shape), tuple(t.shape))
         with torch.no_grad():
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
                 leaf = jax.device_put(leaf, bridge.jax_device(t.device, name=name))
@@ -343,33 +303,18 @@ def _held_besides_residuals(entry) -> list:
     updates.
     """
     program = entry.program
-    rng = [program.specs[entry.n_vars]] if entry.n_state > entry.n_vars else []
+    rng = [program.specs[entry.n_vars]] if entry.has_rng else []
     if entry.recompute:
         # Every leaf is saved (the RNG leaf too), written-back state as a clone.
         return [program.specs[i] for i in entry.write_back.targets] + rng
-    rmap = program.residual_map()
-    return ([s for s in rng if entry.n_vars in rmap.saved_inputs]
-            + [program.out_specs[k] for k in rmap.saved_outputs if k >= entry.n_out])
-
-
-def _cast(t, dtype):
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-        return t.to(dtype)
-    return t
-
-
-def _cast_tree(tree, dtype):
-    return jtu.tree_map(lambda t: _cast(t, dtype), tree,
-                        is_leaf=lambda x: isinstance(x, torch.Tensor))
+    saved = entry.saved
+    return ([s for s in rng if entry.n_vars in saved.inputs]
+            + [program.out_specs[k] for k in saved.outputs if k >= entry.n_out])
 
 
 def _check_wide(dtype, method: str) -> None:
     if dtype in (torch.float64, torch.complex128) and not jax.config.jax_enable_x64:
-        raise TypeError(
-            f"FlaxModule.{method}: moving to {dtype} needs JAX's 64-bit mode, which is off, "
-            f"so JAX would silently compute in 32 bits. Enable it before the first call with "
-            f"jax.config.update('jax_enable_x64', True), or keep the module in float32."
-        )
+        raise _errors.wide_dtype(dtype, method)
 
 
 def _is_nnx(module) -> bool:

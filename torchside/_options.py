@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torchside import _errors
+
 
 def check_choice(value, choices: tuple, *, option: str, where: str, meaning: str) -> str:
     """``value`` if it is one of ``choices``; else a ``ValueError`` naming all of them.
@@ -10,7 +12,7 @@ def check_choice(value, choices: tuple, *, option: str, where: str, meaning: str
     ``determinism_check="default"``.
     """
     if value not in choices:
-        raise ValueError(f"{where}: {option}={value!r} is not one of {choices}. {meaning}")
+        raise _errors.bad_choice(value, choices, option=option, where=where, meaning=meaning)
     return value
 
 
@@ -20,6 +22,6 @@ def check_positive_int(value, *, option: str, where: str, meaning: str,
     if value is None and none_ok:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = "a positive int" + (" or None" if none_ok else "")
-        raise ValueError(f"{where}: {option}={value!r} must be {allowed} ({meaning}).")
+        raise _errors.not_positive_int(value, option=option, where=where, meaning=meaning,
+                                       none_ok=none_ok)
     return value

@@ -6,6 +6,7 @@ import jax
 import torch
 
 import bridge
+from torchside import _errors
 
 
 class FlaxScope(torch.nn.Module):
@@ -17,7 +18,7 @@ class FlaxScope(torch.nn.Module):
     """
 
     def forward(self, *args, **kwargs):  # noqa: D102
-        raise RuntimeError("FlaxScope only holds variables; call the FlaxModule that owns it.")
+        raise _errors.scope_called()
 
 
 def attach_variables(root: torch.nn.Module, names, is_param, values, device: torch.device):

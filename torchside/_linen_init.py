@@ -11,13 +11,13 @@ import torch
 
 import bridge
 from flaxside.internal import init_linen
-from torchside._build import for_owner
+from torchside import _errors
 
 jtu = jax.tree_util
 
 
-def init_linen_from_torch(module, seed: int, rngs: tuple, args: tuple, kwargs: dict, where: str,
-                device: torch.device):
+def init_linen_from_torch(module, seed: int, rngs: tuple, args: tuple, kwargs: dict,
+                          where: str, device: torch.device):
     """Linen ``module.init`` on the example arguments, run on the JAX device of ``device``.
 
     Errors say what to pass.
@@ -37,12 +37,7 @@ def init_linen_from_torch(module, seed: int, rngs: tuple, args: tuple, kwargs: d
     except TypeError as e:
         if args or kwargs or "argument" not in str(e):
             raise
-        raise TypeError(
-            f"{where}: a Linen module is initialized by calling module.init with example "
-            f"inputs, and none were given ({e}). Pass example_args=(torch.zeros(batch, "
-            f"features),) (shapes and dtypes like the real inputs), or variables= with "
-            f"existing Flax variables."
-        ) from e
+        raise _errors.no_example_args(where, e) from e
 
 
 def _example(tensor: torch.Tensor, name: str, where: str):
@@ -51,5 +46,5 @@ def _example(tensor: torch.Tensor, name: str, where: str):
         try:
             tensor = bridge.internal.narrow_to_int32(tensor, name=name)
         except TypeError as e:
-            raise for_owner(e, where) from None
+            raise _errors.for_owner(e, where) from None
     return bridge.to_jax(tensor, name=name)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from torchside._parity_mapping import resolve, source
+from torchside.parity._mapping import resolve, source
 
 
 # -- rules ---------------------------------------------------------------------------------

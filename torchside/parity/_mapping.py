@@ -2,7 +2,7 @@
 
 A mapping says, per torch submodule or tensor, where its values live among the Flax
 variables: ``{"fc1": "Dense_0", "blocks.3.norm": FlaxSource("stack/LayerNorm_0", layer=3)}``.
-``_parity_rules`` turns it into one linear rule per torch tensor.
+``_rules.py`` turns it into one linear rule per torch tensor.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import jax
 import torch
 
-from torchside._parity_report import ParityError, ParityReport, TensorDiff, diff_tensors
-from torchside._parity_weights import GradientMap, eps
+from torchside.parity._report import ParityError, ParityReport, TensorDiff, diff_tensors
+from torchside.parity._weights import GradientMap, eps
 
 jtu = jax.tree_util
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from torchside._parity_mapping import flax_leaves
-from torchside._parity_rules import Rule, compile_rules, torch_tensors
+from torchside.parity._mapping import flax_leaves
+from torchside.parity._rules import Rule, compile_rules, torch_tensors
 
 
 def eps(dtype: torch.dtype) -> float:

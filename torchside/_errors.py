@@ -1,0 +1,168 @@
+"""Every error a ``FlaxModule`` or ``jax_function`` user sees from torchside, worded here.
+
+Each function returns the exception; the caller raises it (``from None`` where the cause
+is ours to explain). A message names the owner the user called (``FlaxModule(Block)``,
+``jax_function(f)``) and the argument, shows what was received and what was expected, and
+says how to fix it. ``bridge`` and ``flaxside`` word their own errors about arrays and
+traces; ``for_owner`` puts the owner's name in front of those that concern a call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def for_owner(error: Exception, where: str) -> Exception:
+    """The same error, its message naming the owner the user called.
+
+    For errors that bridge raises about a call's tensors (a dtype or device JAX cannot
+    hold, an int64 value beyond int32).
+    """
+    return type(error)(f"{where}: {error}")
+
+
+# -- construction -----------------------------------------------------------------------
+def bad_choice(value, choices: tuple, *, option: str, where: str, meaning: str) -> ValueError:
+    """An option that is not one of its lower-case choices."""
+    return ValueError(f"{where}: {option}={value!r} is not one of {choices}. {meaning}")
+
+
+def not_positive_int(value, *, option: str, where: str, meaning: str,
+                     none_ok: bool) -> ValueError:
+    """An option that must be a positive int (or ``None``)."""
+    allowed = "a positive int" + (" or None" if none_ok else "")
+    return ValueError(f"{where}: {option}={value!r} must be {allowed} ({meaning}).")
+
+
+def no_example_args(where: str, cause: Exception) -> TypeError:
+    """A Linen module that needs example inputs for ``init`` and got none."""
+    return TypeError(
+        f"{where}: a Linen module is initialized by calling module.init with example "
+        f"inputs, and none were given ({cause}). Pass example_args=(torch.zeros(batch, "
+        f"features),) (shapes and dtypes like the real inputs), or variables= with "
+        f"existing Flax variables."
+    )
+
+
+def wide_dtype(dtype: torch.dtype, method: str) -> TypeError:
+    """A move to a 64-bit dtype while JAX runs 32-bit."""
+    return TypeError(
+        f"FlaxModule.{method}: moving to {dtype} needs JAX's 64-bit mode, which is off, "
+        f"so JAX would silently compute in 32 bits. Enable it before the first call with "
+        f"jax.config.update('jax_enable_x64', True), or keep the module in float32."
+    )
+
+
+def scope_called() -> RuntimeError:
+    """A ``FlaxScope`` (a namespace of variables) called as if it were a module."""
+    return RuntimeError("FlaxScope only holds variables; call the FlaxModule that owns it.")
+
+
+# -- a call's arguments -----------------------------------------------------------------
+def unhashable_static(name: str, value, where: str) -> TypeError:
+    """A non-tensor argument that cannot be part of a compile key."""
+    return TypeError(
+        f"{where}: argument {name} is a {type(value).__name__}, which is neither a "
+        f"torch.Tensor nor hashable. Non-tensor arguments are static (part of the "
+        f"compile key) and must be hashable: pass a tensor, or a tuple instead of "
+        f"a list of numbers."
+    )
+
+
+def other_device(name: str, device: torch.device, expected: torch.device, lead: str | None,
+                 where: str) -> ValueError:
+    """A tensor on another device than the call's (``lead``: the argument that decided it).
+
+    ``lead=None``: the module's parameters decided the device.
+    """
+    if lead is None:
+        what = "the module's parameters are"
+        fix = f"Move the input with .to('{expected}') or the module with .to('{device}')."
+    else:
+        what = f"{lead} is"
+        fix = f"Move every tensor argument to one device, e.g. {name}.to('{expected}')."
+    return ValueError(f"{where}: argument {name} is on {device}, but {what} on {expected}. {fix}")
+
+
+def compiled_arguments(where: str, n_args: int, n_kwargs: int) -> TypeError:
+    """A call under ``torch.compile`` with pytrees, keywords or static values."""
+    return TypeError(
+        f"{where} under torch.compile takes tensors as positional arguments only "
+        f"(got {n_args} positional, {n_kwargs} keyword). Pass static values "
+        f"through the Flax module's attributes, or call it outside torch.compile."
+    )
+
+
+# -- what a program returns -------------------------------------------------------------
+def output_dtype(path: str, dtype, where: str) -> TypeError:
+    """An output whose dtype torch has no match for."""
+    return TypeError(
+        f"{where}: output {path or '(the result)'} has dtype {dtype}, which torch cannot "
+        f"hold. Cast it inside the function (e.g. .astype(jnp.int8) for int4) or leave it "
+        f"out of the outputs."
+    )
+
+
+def compiled_outputs(treedef) -> TypeError:
+    """An output structure the ``torch.compile`` route cannot rebuild in traced code."""
+    return TypeError(
+        f"FlaxModule under torch.compile: the module returns {treedef}; the compiled path "
+        f"supports one array, or a flat tuple, list or dict of arrays. Return one of those, "
+        f"or call the module outside torch.compile."
+    )
+
+
+def update_mismatch(name: str, update, held, where: str) -> TypeError:
+    """State written back with another dtype or shape than its buffer (``LeafSpec``s)."""
+    return TypeError(
+        f"{where}: the forward updates '{name}' to {update.dtype}{list(update.shape)}, but "
+        f"the buffer holds {held.dtype}{list(held.shape)}; torch keeps its buffers' dtype "
+        f"and shape. Keep the state's dtype and shape in the forward (e.g. cast the new "
+        f"value with .astype(old.dtype))."
+    )
+
+
+# -- autograd -----------------------------------------------------------------------------
+def under_torch_func(where: str) -> NotImplementedError:
+    """A call under a ``torch.func`` transform."""
+    return NotImplementedError(
+        f"{where}: called under a torch.func transform (vmap, grad, jacrev, ...), whose "
+        f"tensors have no memory JAX can read. Call it outside the transform, or apply the "
+        f"JAX transform (jax.vmap, jax.grad) inside a jax_function."
+    )
+
+
+def create_graph(where: str) -> NotImplementedError:
+    """A backward with ``create_graph=True``, which would need the second derivative."""
+    return NotImplementedError(
+        f"{where}: backward with create_graph=True (a gradient penalty, a Hessian-vector "
+        f"product, MAML) needs the second derivative of this call, which is not "
+        f"implemented: its backward is a compiled JAX VJP that torch cannot differentiate. "
+        f"Compute the higher-order term inside JAX (e.g. a jax_function that returns "
+        f"jax.grad of the inner loss, so torch needs only its first derivative), or "
+        f"differentiate without create_graph."
+    )
+
+
+def owner_gone() -> RuntimeError:
+    """A compiled graph that names a module that was freed."""
+    return RuntimeError(
+        "flaxtorch: a compiled graph refers to a FlaxModule that no longer exists. "
+        "Compile the module you call (torch.compile(model)) rather than reusing a graph."
+    )
+
+
+# -- methods ------------------------------------------------------------------------------
+def nothing_to_report(where: str) -> ValueError:
+    """``memory_report`` of a call with no backward."""
+    return ValueError(
+        f"{where}.memory_report: nothing in the call requires grad (no floating parameter "
+        f"that requires grad, no floating argument), so there is no backward to measure."
+    )
+
+
+def flax_shape(name: str, got: tuple, expected: tuple) -> ValueError:
+    """``load_flax_variables`` given a leaf of another shape."""
+    return ValueError(
+        f"load_flax_variables: '{name}' has shape {got}, expected {expected}."
+    )
