@@ -148,13 +148,14 @@ def default_torch_device() -> torch.device:
     """Where a new module's variables go: torch's default device, as for ``torch.nn.Linear``.
 
     ``torch.set_default_device("cuda")`` or ``with torch.device("cuda"):`` put them on the
-    GPU; devices JAX shares no memory with (``meta``) fall back to the CPU.
+    GPU, ``with torch.device("meta"):`` on the meta device (shapes only, no memory); other
+    devices, which JAX shares no memory with, fall back to the CPU.
     """
     get = getattr(torch, "get_default_device", None)
     device = get() if get is not None else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return device if device.type in ("cpu", "cuda") else torch.device("cpu")
+    return device if device.type in ("cpu", "cuda", "meta") else torch.device("cpu")
 
 
 # Before anything can start JAX's GPU backend: importing bridge (which imports this module

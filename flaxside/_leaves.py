@@ -90,6 +90,18 @@ def split_to(key, shape: tuple[int, ...]):
     return jax.random.split(key, math.prod(shape)).reshape(shape)
 
 
+def _abstract_key_impl(x: jax.ShapeDtypeStruct):
+    """The PRNG implementation of an abstract key array (read while tracing it)."""
+    found = []
+
+    def read(key):
+        found.append(jax.random.key_impl(key))
+        return key
+
+    jax.eval_shape(read, x)
+    return found[0]
+
+
 # Same-width signed dtypes for unsigned ones. torch's unsigned 16/32/64-bit dtypes are
 # barely supported (a plain pickle of such a tensor fails to load, gloo cannot broadcast
 # one): torch holds those bits as the signed dtype, bitcast back inside the program.
@@ -111,13 +123,19 @@ class Leaves:
         self._codecs = {}  # leaf index -> (unsigned dtype or None, key impl or None)
         stored = []
         for i, x in enumerate(values):
-            impl = jax.random.key_impl(x) if is_key(x) else None
-            x = x if impl is not None else jnp.asarray(x)
-            data = jax.random.key_data(x) if impl is not None else x
+            # Abstract values (jax.ShapeDtypeStruct, from jax.eval_shape) describe variables
+            # that are never computed here (a torch module built on the meta device).
+            abstract = isinstance(x, jax.ShapeDtypeStruct)
+            impl = (_abstract_key_impl(x) if abstract else jax.random.key_impl(x)
+                    ) if is_key(x) else None
+            x = x if impl is not None or abstract else jnp.asarray(x)
+            data = x if impl is None else (jax.eval_shape(jax.random.key_data, x) if abstract
+                                           else jax.random.key_data(x))
             unsigned = np.dtype(data.dtype) if np.dtype(data.dtype) in _SIGNED else None
             if impl is not None or unsigned is not None:
                 self._codecs[i] = (unsigned, impl)
-            stored.append(self.store(i, x))
+            stored.append(jax.eval_shape(lambda v, i=i: self.store(i, v), x) if abstract
+                          else self.store(i, x))
         self._values = stored
 
     def take_initial_values(self) -> list:

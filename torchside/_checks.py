@@ -51,6 +51,8 @@ def explain_state_error(var_names, call, where: str) -> None:
     A variable on another device than the call's, a dtype JAX cannot hold, or a device
     JAX shares no memory with; returns if none of those is the cause.
     """
+    if call.variables and call.device.type == "meta":  # built under torch.device("meta")
+        raise _errors.meta_variables(var_names[0], where)
     check_devices(call.variables, var_names, call.device, None, where)
     numpy_dtypes(call.variables, var_names, where)
     if call.variables:

@@ -166,3 +166,32 @@ def flax_shape(name: str, got: tuple, expected: tuple) -> ValueError:
     return ValueError(
         f"load_flax_variables: '{name}' has shape {got}, expected {expected}."
     )
+
+
+def no_initializer(where: str, nnx: bool) -> RuntimeError:
+    """``reset_parameters`` of a module whose init cannot run again."""
+    how = ("it was given an NNX module instance; pass a factory instead, "
+           "FlaxModule(lambda rngs: Model(..., rngs=rngs)), which reset_parameters runs "
+           "again with nnx.Rngs(seed)") if nnx else (
+           "it was built from variables=; rebuild it without variables= (Flax's init with "
+           "seed=), or load values with load_flax_variables")
+    return RuntimeError(f"{where}.reset_parameters: there is no init to run again: {how}.")
+
+
+def reset_on_meta(where: str) -> RuntimeError:
+    """``reset_parameters`` while the variables have no memory."""
+    return RuntimeError(
+        f"{where}.reset_parameters: the parameters are on the meta device, which holds no "
+        f"memory to initialize. Give them memory first: module.to_empty(device='cpu') (or "
+        f"'cuda'), then reset_parameters()."
+    )
+
+
+def meta_variables(name: str, where: str) -> ValueError:
+    """A call while the variables are on the meta device (``name``: the first)."""
+    return ValueError(
+        f"{where}: argument '{name}' is on meta, which holds shapes but no values (the "
+        f"module was built under torch.device('meta'), or moved there). Materialize the "
+        f"module before calling it: module.to_empty(device='cpu') (or 'cuda'), then "
+        f"module.reset_parameters()."
+    )

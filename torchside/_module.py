@@ -9,7 +9,7 @@ import bridge
 from flaxside.internal import adapter_for, key_data_shape, program_report
 from torchside import _errors
 from torchside._call import Caller, Settings
-from torchside._linen_init import init_linen_from_torch
+from torchside._initializer import Initializer
 from torchside._options import check_choice
 from torchside._owner import CallerOwner
 from torchside._resolve import AUTOCAST_MODES, Call, resolve
@@ -91,7 +91,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         recompile_warning: int | None = 8,
     ):
         super().__init__()
-        where = f"FlaxModule({type(module).__name__})"
+        where = f"FlaxModule({_name(module)})"
         self.autocast = check_choice(
             autocast, AUTOCAST_MODES, option="autocast", where=where,
             meaning="'outputs' runs the block in its own dtype and casts its floating outputs "
@@ -101,11 +101,20 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         if not isinstance(example_args, tuple | list):
             example_args = (example_args,)
         # Variables are made where torch makes a new layer's (torch's default device, the
-        # CPU unless set otherwise), whatever JAX's default device is (NOTE [Devices]).
+        # CPU unless set otherwise), whatever JAX's default device is (NOTE [Devices]); on
+        # the meta device they have shapes only, and reset_parameters() computes them.
         device = bridge.internal.default_torch_device()
-        if variables is None and hasattr(module, "init") and not _is_nnx(module):
-            variables = init_linen_from_torch(module, seed, rngs, tuple(example_args),
-                                    dict(example_kwargs or {}), where, device)
+        meta = device.type == "meta"
+        self._initializer = None
+        if variables is None and _is_factory(module):
+            self._initializer = Initializer(module, seed, where=where)
+            module = self._initializer.shapes() if meta else self._initializer.values(device)
+            where = self._initializer.where = f"FlaxModule({type(module).__name__})"
+        elif variables is None and hasattr(module, "init") and not _is_nnx(module):
+            self._initializer = Initializer(module, seed, rngs, tuple(example_args),
+                                            example_kwargs, where)
+            variables = (self._initializer.shapes() if meta else self._initializer.values(
+                device, example_args, example_kwargs))
         adapter = adapter_for(module, variables, where=where, rng_streams=rngs,
                               train_kwarg=train_kwarg)
         self._adapter = adapter
@@ -291,8 +300,55 @@ class FlaxModule(CallerOwner, torch.nn.Module):
                 raise _errors.flax_shape(name, tuple(leaf.shape), tuple(t.shape))
         with torch.no_grad():
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                leaf = jax.device_put(leaf, bridge.jax_device(t.device, name=name))
-                t.copy_(bridge.to_torch(leaf, name=name))
+                _assign(t, leaf, name)
+
+    def reset_parameters(self) -> None:
+        """Computes the initial parameters and buffers again, in place, with the module's seed.
+
+        The values equal those of a module built directly with the same arguments, bit for
+        bit (a Linen module's init runs on zeros shaped like ``example_args``: see
+        ``_initializer.py``), computed on the device the variables are on. This is the
+        deferred-init recipe of PyTorch and FSDP2: build under ``torch.device("meta")``
+        (nothing is allocated), shard, ``to_empty(device=...)``, then ``reset_parameters()``
+        on every module that has it. Parameters sharded as DTensors (FSDP2) get their own
+        shard of the values.
+
+        Raises:
+            RuntimeError: the variables are still on the meta device (call ``to_empty``
+                first), or the module was built from ``variables=`` or an NNX module
+                instance, whose init cannot be run again.
+        """
+        where = self._caller.where
+        if self._initializer is None:
+            raise _errors.no_initializer(where, self._nnx)
+        targets = self._current_tensors()
+        device = next((t.device for t in targets), torch.device("cpu"))
+        if device.type == "meta":
+            raise _errors.reset_on_meta(where)
+        values = self._initializer.values(device)
+        if self._nnx:
+            from flax import nnx
+
+            values = nnx.split(values, nnx.Param, ...)[1:]
+        leaves = self._adapter.leaf_values(values)
+        with torch.no_grad():
+            for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
+                _assign(t, leaf, name)
+
+
+def _assign(tensor: torch.Tensor, value, name: str) -> None:
+    """Copies a JAX value into a variable's tensor in place (a DTensor's own shard only)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    value = jax.device_put(value, bridge.jax_device(tensor.device, name=name))
+    source = bridge.to_torch(value, name=name)
+    if isinstance(tensor, DTensor):
+        # Every rank computed the same full value; each keeps the shard its placements
+        # give it, without communication.
+        source = distribute_tensor(source, tensor.device_mesh, tensor.placements,
+                                   src_data_rank=None).to_local()
+        tensor = tensor.to_local()
+    tensor.copy_(source)
 
 
 def _held_besides_residuals(entry) -> list:
@@ -321,3 +377,16 @@ def _is_nnx(module) -> bool:
     from flax import nnx
 
     return isinstance(module, nnx.Module)
+
+
+def _is_factory(module) -> bool:
+    """Whether ``module`` is an NNX factory: a callable that is not a Flax module."""
+    import flax.linen as nn
+
+    return callable(module) and not isinstance(module, nn.Module) and not _is_nnx(module)
+
+
+def _name(module) -> str:
+    if _is_factory(module):
+        return getattr(module, "__qualname__", type(module).__name__)
+    return type(module).__name__

@@ -33,14 +33,16 @@ def attach_variables(root: torch.nn.Module, names, is_param, values, device: tor
         root: the module to attach to.
         names: the dotted Flax path of each leaf (no part contains a dot).
         is_param: per leaf, whether it is a parameter.
-        values: per leaf, its JAX array (on any device).
+        values: per leaf, its JAX array (on any device), or its ``jax.ShapeDtypeStruct``
+            where ``device`` is ``meta``.
         device: the torch device the tensors are made on.
 
     Returns:
         ``(refs, scopes)``: per leaf ``(scope, name, is_param)``, and every scope made.
     """
     refs, scopes = [], []
-    target = bridge.jax_device(device, name="variables")
+    # On the meta device nothing is computed or copied: the values may be abstract.
+    target = None if device.type == "meta" else bridge.jax_device(device, name="variables")
     for dotted, param, value in zip(names, is_param, values, strict=True):
         keys = dotted.split(".")
         scope = root
@@ -51,7 +53,11 @@ def attach_variables(root: torch.nn.Module, names, is_param, values, device: tor
                 scope._modules[k] = child
                 scopes.append(child)
             scope = child
-        tensor = bridge.to_torch(jax.device_put(value, target), copy=True, name=dotted)
+        if target is None:
+            tensor = torch.empty(value.shape, dtype=bridge.torch_dtype(value.dtype),
+                                 device=device)
+        else:
+            tensor = bridge.to_torch(jax.device_put(value, target), copy=True, name=dotted)
         if param:
             scope._parameters[keys[-1]] = torch.nn.Parameter(
                 tensor, requires_grad=bool(tensor.is_floating_point() or tensor.is_complex())
