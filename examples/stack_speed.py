@@ -21,8 +21,8 @@ long the step takes to compile, for two-level ``remat_stack`` and for ``nn.scan`
 remat; nothing runs, so large batches cost only compile time.
 
 How to run (CPU is fine; about two minutes at the defaults):
-    PYTHONPATH=. python examples/stack_speed.py [--depth 64] [--width 512] [--batch 64]
-    PYTHONPATH=. python examples/stack_speed.py --table [--width 512] [--batch 64]
+    python examples/stack_speed.py [--depth 64] [--width 512] [--batch 64]
+    python examples/stack_speed.py --table [--width 512] [--batch 64]
 """
 
 import argparse
@@ -37,13 +37,79 @@ import jax.numpy as jnp
 import numpy as np
 
 import flaxside
-from tests.twins import (
-    RematScanStack,
-    ResidualMLPBlock,
-    ScanRematStack,
-    ScanStack,
-    StockRematScanStack,
-)
+
+
+class ResidualMLPBlock(nn.Module):
+    """``x + Dense(w)(gelu(Dense(2w)(LayerNorm(x))))``; carry in, carry out."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm(epsilon=1e-5)(x)), approximate=False)
+        return x + nn.Dense(self.width)(h)
+
+
+def _scan(depth: int):
+    """``nn.scan`` over ``depth`` layers of one block, with stacked parameters."""
+    return nn.scan(lambda mdl, c, _: (mdl(c), None), variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=depth)
+
+
+class ScanStack(nn.Module):
+    """``depth`` blocks under ``nn.scan`` without remat: every layer's internals are held."""
+
+    width: int
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        return _scan(self.depth)(ResidualMLPBlock(self.width, name="stack"), x, None)[0]
+
+
+class ScanRematStack(nn.Module):
+    """``depth`` blocks under ``nn.scan(nn.remat(Block))``."""
+
+    width: int
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        body = nn.remat(ResidualMLPBlock)
+        return _scan(self.depth)(body(self.width, name="stack"), x, None)[0]
+
+
+class RematScanStack(nn.Module):
+    """``nn.remat_scan(nn.remat(Block))``: every level rematerialized."""
+
+    width: int
+    lengths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.remat_scan(nn.remat(ResidualMLPBlock), lengths=self.lengths)
+        return stack(self.width, name="stack")(x)
+
+
+class StockRematScanStack(nn.Module):
+    """``nn.remat_scan(Block)`` as Flax documents it: the innermost loop is not remat'd."""
+
+    width: int
+    lengths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat_scan(ResidualMLPBlock, lengths=self.lengths)(self.width, name="stack")(x)
+
+
+def fmt(n: int | None) -> str:
+    """``n`` bytes in B, kB, MB or GB (powers of 1000), right-aligned to 14 characters."""
+    if n is None:
+        return f"{'n/a':>10}    "
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:10.2f} {unit} "
+    return f"{n:10d} B  "
 
 
 def variants(depth: int, width: int):
@@ -80,7 +146,6 @@ def compiled_step(module: nn.Module, x, ct):
 
 
 def depth_table(width: int, batch: int):
-    fmt = flaxside._memory.format_bytes
     x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
     print(f"width {width}, batch {batch}: held bytes and compile seconds (forward+backward)")
     print(f"{'depth':>6}{'lengths':>12}{'held':>14}{'bwd temp':>14}{'compile':>9}"
@@ -183,7 +248,6 @@ def main():
             jax.block_until_ready(step(params, x))
             times[name].append(time.perf_counter() - start)
     base = min(times["nn.scan(nn.remat)"])
-    fmt = flaxside._memory.format_bytes
     print(f"{'variant':<34}{'step min':>10}{'median':>9}{'ratio':>7}{'compile':>9}"
           f"{'step temp':>14}{'held':>14}")
     for name, ts in times.items():
