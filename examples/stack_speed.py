@@ -28,7 +28,9 @@ How to run (CPU is fine; about two minutes at the defaults):
 import argparse
 import collections
 import math
+import os
 import re
+import sys
 import time
 
 import flax.linen as nn
@@ -38,60 +40,12 @@ import numpy as np
 
 import flaxside
 
-
-class ResidualMLPBlock(nn.Module):
-    """``x + Dense(w)(gelu(Dense(2w)(LayerNorm(x))))``; carry in, carry out."""
-
-    width: int
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm(epsilon=1e-5)(x)), approximate=False)
-        return x + nn.Dense(self.width)(h)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_report import fmt_bytes  # noqa: E402
+from _bench_workloads import Block, RematScan, Scan  # noqa: E402
 
 
-def _scan(depth: int):
-    """``nn.scan`` over ``depth`` layers of one block, with stacked parameters."""
-    return nn.scan(lambda mdl, c, _: (mdl(c), None), variable_axes={"params": 0},
-                   split_rngs={"params": True}, length=depth)
-
-
-class ScanStack(nn.Module):
-    """``depth`` blocks under ``nn.scan`` without remat: every layer's internals are held."""
-
-    width: int
-    depth: int
-
-    @nn.compact
-    def __call__(self, x):
-        return _scan(self.depth)(ResidualMLPBlock(self.width, name="stack"), x, None)[0]
-
-
-class ScanRematStack(nn.Module):
-    """``depth`` blocks under ``nn.scan(nn.remat(Block))``."""
-
-    width: int
-    depth: int
-
-    @nn.compact
-    def __call__(self, x):
-        body = nn.remat(ResidualMLPBlock)
-        return _scan(self.depth)(body(self.width, name="stack"), x, None)[0]
-
-
-class RematScanStack(nn.Module):
-    """``nn.remat_scan(nn.remat(Block))``: every level rematerialized."""
-
-    width: int
-    lengths: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self, x):
-        stack = nn.remat_scan(nn.remat(ResidualMLPBlock), lengths=self.lengths)
-        return stack(self.width, name="stack")(x)
-
-
-class StockRematScanStack(nn.Module):
+class StockRematScan(nn.Module):
     """``nn.remat_scan(Block)`` as Flax documents it: the innermost loop is not remat'd."""
 
     width: int
@@ -99,38 +53,33 @@ class StockRematScanStack(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        return nn.remat_scan(ResidualMLPBlock, lengths=self.lengths)(self.width, name="stack")(x)
+        return nn.remat_scan(Block, lengths=self.lengths)(self.width, name="stack")(x)
 
 
 def fmt(n: int | None) -> str:
-    """``n`` bytes in B, kB, MB or GB (powers of 1000), right-aligned to 14 characters."""
-    if n is None:
-        return f"{'n/a':>10}    "
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:10.2f} {unit} "
-    return f"{n:10d} B  "
+    """``n`` bytes (powers of 1024), right-aligned to 14 characters."""
+    return f"{fmt_bytes(n):>13} "
 
 
 def variants(depth: int, width: int):
     a = math.isqrt(depth)
     two = (a, depth // a) if a * (depth // a) == depth else None
-    out = {"nn.scan(nn.remat)": ScanRematStack(width, depth)}
+    out = {"nn.scan(nn.remat)": Scan(width, depth, remat=True)}
     if two:
-        out[f"nn.remat_scan {two}  [before]"] = StockRematScanStack(width, two)
-        out[f"nn.remat_scan(nn.remat) {two}"] = RematScanStack(width, two)
-    out[f"remat_stack ({depth},)"] = flaxside.remat_stack(ResidualMLPBlock, depth, width=width)
+        out[f"nn.remat_scan {two}  [before]"] = StockRematScan(width, two)
+        out[f"nn.remat_scan(nn.remat) {two}"] = RematScan(width, two)
+    out[f"remat_stack ({depth},)"] = flaxside.remat_stack(Block, depth, width=width)
     if two:
         out[f"remat_stack {two}  [after]"] = flaxside.remat_stack(
-            ResidualMLPBlock, depth, lengths=two, width=width)
+            Block, depth, lengths=two, width=width)
         # Each layer keeps its internals while its segment is in the backward: no third
         # forward pass, for two levels' held memory plus one segment of internals.
         out["  same, everything_saveable"] = flaxside.remat_stack(
-            ResidualMLPBlock, depth, lengths=two, width=width, policy="everything_saveable")
+            Block, depth, lengths=two, width=width, policy="everything_saveable")
     c = round(depth ** (1 / 3))
     if c**3 == depth:
         out[f"remat_stack {(c, c, c)}"] = flaxside.remat_stack(
-            ResidualMLPBlock, depth, lengths=(c, c, c), width=width)
+            Block, depth, lengths=(c, c, c), width=width)
     return out
 
 
@@ -153,8 +102,8 @@ def depth_table(width: int, batch: int):
     for depth in (16, 64, 256, 1024):
         a = math.isqrt(depth)
         ours = flaxside.memory_report(
-            flaxside.remat_stack(ResidualMLPBlock, depth, lengths=(a, a), width=width), x)
-        scan = flaxside.memory_report(ScanStack(width, depth), x)
+            flaxside.remat_stack(Block, depth, lengths=(a, a), width=width), x)
+        scan = flaxside.memory_report(Scan(width, depth), x)
         print(f"{depth:>6}{str((a, a)):>12}{fmt(ours.held_bytes)}{fmt(ours.backward_temp_bytes)}"
               f"{ours.compile_seconds:>7.2f} s{fmt(scan.held_bytes)}{scan.compile_seconds:>7.2f} s",
               flush=True)
