@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from _docs import md_table
 
 from torchside import FlaxModule
 
@@ -161,8 +162,12 @@ def leaf_sweep(counts, *, budget: float, min_repeats: int, device: str = "cpu") 
             "mismatch": mismatch, "device": device}
 
 
-def print_leaf_sweep(result: dict, fmt_time) -> None:
-    """The sweep as a table, then each contestant's fitted cost per extra leaf."""
+def print_leaf_sweep(result: dict, fmt_time) -> str:
+    """Prints the sweep as a table, then each contestant's fitted cost per extra leaf.
+
+    Returns:
+        The same as markdown.
+    """
     names = list(result["time"])
     header = ["leaves", *names, "bridge/JAX", "bridge/torch"]
     rows = []
@@ -171,16 +176,19 @@ def print_leaf_sweep(result: dict, fmt_time) -> None:
         rows.append([str(n), *(fmt_time(t[name]) for name in names),
                      f"{t['bridge'] / t['pure JAX']:.2f}x", f"{t['bridge'] / t['torch']:.2f}x"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"Forward+backward per call against parameter leaves ({TOTAL} parameter elements "
-          f"in all, batch {BATCH}, {result['device']})")
+    title = (f"Forward+backward per call against parameter leaves ({TOTAL} parameter elements "
+             f"in all, batch {BATCH}, {result['device']})")
+    print(title)
     line = "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))
     print(line)
     print("-" * len(line))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    print("cost per extra leaf (least-squares slope): " + ", ".join(
-        f"{name} {result['per_leaf'][name] * 1e6:.2f} us" for name in names))
+    slope = "cost per extra leaf (least-squares slope): " + ", ".join(
+        f"{name} {result['per_leaf'][name] * 1e6:.2f} us" for name in names)
+    print(slope)
     print()
+    return f"### {title}\n\n{md_table(header, rows)}\n\n{slope[0].upper()}{slope[1:]}."
 
 
 def plot_leaf_sweep(result: dict, path: str) -> str:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_measure import Contestant, race  # noqa: E402
+from _docs import md_table  # noqa: E402
 from train_lm import Block  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402
@@ -300,24 +301,35 @@ def train_steps(model, loss_m, params, ids, targets, j_ids, j_targets, size) -> 
     return times
 
 
-def print_lm(rows: list[dict], fmt_time) -> list[list[str]]:
-    """Prints the real-model table; returns the target rows for the summary."""
-    targets = []
+def print_lm(rows: list[dict], fmt_time) -> tuple[list[list[str]], str]:
+    """Prints the real-model table.
+
+    Returns:
+        The target rows for the summary, and the printed tables as markdown.
+    """
+    targets, md = [], []
     for r in rows:
         t = r["times"]
         base = t["pure JAX"]
-        print(f"\n{r['name']} (2 layers, width 128, 4 heads, vocab 1024, batch 8 x 32; "
-              f"{r['rounds']} rounds; losses agree to {r['mismatch']:.1e})")
+        title = (f"{r['name']} (2 layers, width 128, 4 heads, vocab 1024, batch 8 x 32; "
+                 f"{r['rounds']} rounds; losses agree to {r['mismatch']:.1e})")
+        print(f"\n{title}")
         for name, sec in t.items():
             print(f"  {name:<34} {fmt_time(sec):>10}  {sec / base:5.2f}x pure JAX")
         s = r["steps"]
-        print(f"  training step: pure JAX + optax {fmt_time(s['pure JAX + optax'])}, bridge + "
-              f"torch AdamW {fmt_time(s['bridge + torch AdamW'])} "
-              f"({s['bridge + torch AdamW'] / s['pure JAX + optax']:.2f}x), of which "
-              f"AdamW.step alone {fmt_time(s['torch AdamW.step alone'])}")
+        step = (f"training step: pure JAX + optax {fmt_time(s['pure JAX + optax'])}, bridge + "
+                f"torch AdamW {fmt_time(s['bridge + torch AdamW'])} "
+                f"({s['bridge + torch AdamW'] / s['pure JAX + optax']:.2f}x), of which "
+                f"AdamW.step alone {fmt_time(s['torch AdamW.step alone'])}")
+        print(f"  {step}")
         h = r["held"]
-        print(f"  held for backward with the loss in torch: {h['plain'] / 2**20:.2f} MiB, "
-              f"{h['remat dots'] / 2**20:.2f} MiB under remat dots")
+        held = (f"held for backward with the loss in torch: {h['plain'] / 2**20:.2f} MiB, "
+                f"{h['remat dots'] / 2**20:.2f} MiB under remat dots")
+        print(f"  {held}")
+        md += [f"### {title}", "",
+               md_table(["contestant", "forward+backward", "vs pure JAX"],
+                        [[name, fmt_time(sec), f"{sec / base:.2f}x"] for name, sec in t.items()]),
+               "", f"- {step[0].upper()}{step[1:]}.", f"- {held[0].upper()}{held[1:]}.", ""]
         for name, limit in TARGETS.items():
             ratio = t[name] / base
             targets.append([f"{r['name']}: {name} <= {limit}x pure JAX fused",
@@ -326,4 +338,4 @@ def print_lm(rows: list[dict], fmt_time) -> list[list[str]]:
         targets.append([f"{r['name']}: the JAX routes compute the same loss",
                         "max |loss - pure JAX| / |loss|", f"{r['mismatch']:.1e}",
                         "PASS" if r["mismatch"] <= 1e-5 else "MISS"])
-    return targets
+    return targets, "\n".join(md)

@@ -1,8 +1,14 @@
-"""The benchmark's printed tables, its PASS/MISS targets, and its plots."""
+"""The benchmark's printed tables, its PASS/MISS targets, and its plots.
+
+Each ``print_*`` function prints its tables and returns them as markdown, which
+``benchmark.py --docs`` writes into docs/benchmarks.md.
+"""
 
 from __future__ import annotations
 
 import os
+
+from _docs import md_table
 
 
 def fmt_time(seconds: float | None) -> str:
@@ -24,7 +30,8 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> None:
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Prints ``rows`` under ``header`` as aligned text; returns them as a markdown table."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = "  ".join(
         h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True))
@@ -35,12 +42,14 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
         cells = enumerate(zip(r, widths, strict=True))
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in cells))
     print()
+    return md_table(header, rows)
 
 
-def print_workloads(results: list[dict]) -> None:
+def print_workloads(results: list[dict]) -> str:
     if not results:
-        return
-    print("Forward+backward per call (median), bytes held for backward, agreement with pure JAX")
+        return ""
+    title = "Forward+backward per call (median), bytes held for backward, agreement with pure JAX"
+    print(title)
     header = [
         "workload",
         "leaves",
@@ -76,23 +85,27 @@ def print_workloads(results: list[dict]) -> None:
                 str(r["rounds"]),
             ]
         )
-    _table(header, rows)
-    print("First call, wall (of which JAX trace+lower+compile):")
+    md = [f"### {title}", "", _table(header, rows), ""]
+    first = "First call, wall (of which JAX trace+lower+compile)"
+    print(f"{first}:")
+    md += [f"{first}:", ""]
     for r in results:
         f, c = r["first_call"], r["compile"]
-        print(
-            f"  {r['name']:10s} bridge {fmt_time(f['bridge'])} ({fmt_time(c['bridge'])}), "
-            f"pure JAX {fmt_time(f['pure JAX'])} ({fmt_time(c['pure JAX'])}), "
-            f"torch {fmt_time(f['torch'])}"
-        )
+        line = (f"{r['name']} bridge {fmt_time(f['bridge'])} ({fmt_time(c['bridge'])}), "
+                f"pure JAX {fmt_time(f['pure JAX'])} ({fmt_time(c['pure JAX'])}), "
+                f"torch {fmt_time(f['torch'])}")
+        print(f"  {line}")
+        md.append(f"- {line}")
     print()
+    return "\n".join(md)
 
 
 def _sweep_names(rows: list[dict], key: str) -> list[str]:
     return list(rows[0][key])
 
 
-def print_sweep(rows: list[dict]) -> None:
+def print_sweep(rows: list[dict]) -> str:
+    md = []
     for key, title, fmt in (
         ("held", "Bytes held for backward (beyond parameters and input)", fmt_bytes),
         ("time", "Forward+backward per call (median)", fmt_time),
@@ -100,16 +113,18 @@ def print_sweep(rows: list[dict]) -> None:
     ):
         names = _sweep_names(rows, key)
         print(f"{title}, by depth (width 64, batch 32)")
-        _table(
+        md += [f"### {title}, by depth (width 64, batch 32)", "", _table(
             ["depth", *names], [[str(r["depth"]), *(fmt(r[key][n]) for n in names)] for r in rows]
-        )
+        ), ""]
     lengths = {k: v for k, v in rows[-1]["lengths"].items() if v}
-    print(
+    line = (
         "remat_scan lengths at depth "
         + f"{rows[-1]['depth']}: "
         + ", ".join(f"{k} {tuple(v)}" for k, v in lengths.items())
     )
+    print(line)
     print()
+    return "\n".join([*md, line])
 
 
 def plot_sweep(rows: list[dict], out: str) -> list[str]:
@@ -148,7 +163,7 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def print_targets(results: dict, extra: list | None = None) -> None:
+def print_targets(results: dict, extra: list | None = None) -> str:
     """The table of targets; ``extra`` rows (the real-model ones) come first."""
     rows = list(extra or [])
     by_name = {r["name"]: r for r in results["workloads"]}
@@ -243,6 +258,8 @@ def print_targets(results: dict, extra: list | None = None) -> None:
                 _verdict(leaves["mismatch"] <= 1e-4),
             ]
         )
-    if rows:
-        print("Targets (printed, never asserted: timings on a shared machine are noisy)")
-        _table(["target", "measured", "ratio", "verdict"], rows)
+    if not rows:
+        return ""
+    title = "Targets (printed, never asserted: timings on a shared machine are noisy)"
+    print(title)
+    return f"### {title}\n\n" + _table(["target", "measured", "ratio", "verdict"], rows)

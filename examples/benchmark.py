@@ -19,9 +19,15 @@ What this shows:
       pure JAX and torch eager, and each one's fitted cost per extra leaf
       (``_bench_leaves.py``).
 
+    * for a GPT-2-shaped model trained from torch (``_bench_lm.py``): the bridge with the
+      loss in torch and inside the Flax module against pure JAX fused and split, and
+      against the torch twin.
+
     It prints a table of ratios with PASS/MISS against the project's targets and writes
     four PNG plots (held bytes, time and compile seconds against depth; time against
-    leaves).
+    leaves). With ``--docs PATH`` it also writes every printed table, the date, the machine
+    and the command as the ``benchmark`` block of a markdown file; docs/benchmarks.md (whose
+    prose says how to read the tables) takes full runs only.
 
 How to run:
     pip install -e '.[examples]'
@@ -30,6 +36,7 @@ How to run:
                                                # 2-core machine (MEDIUM width 256, LEAVES 32
                                                # blocks, depths 16 and 1024, fewer repeats)
     python examples/benchmark.py --out plots   # where the PNGs and results.json go
+    python examples/benchmark.py --docs docs/benchmarks.md   # full run, updates the docs
 """
 
 from __future__ import annotations
@@ -71,6 +78,13 @@ def parse_args(argv=None):
         action="store_true",
         help="skip the extra TINY row measured in a child process with sync CPU dispatch",
     )
+    parser.add_argument(
+        "--docs",
+        default=None,
+        metavar="PATH",
+        help="also write the tables as the benchmark block of this markdown file "
+             "(docs/benchmarks.md: full runs of every part only)",
+    )
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # child -> parent
     return parser.parse_args(argv)
 
@@ -88,6 +102,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _docs  # noqa: E402
 from _bench_leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
 from _bench_lm import lm_rows, print_lm  # noqa: E402
 from _bench_measure import Bridge, PureJax, TorchEager, race  # noqa: E402
@@ -285,6 +300,10 @@ def main() -> None:
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     size = SIZES[size_name]
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    if args.docs:
+        every = set(parts) >= set(parse_args([]).only.split(","))
+        _docs.check_target(args.docs, script="benchmark.py",
+                           full=size_name == "full" and every and args.cpu_dispatch == "async")
     os.makedirs(args.out, exist_ok=True)
     print(
         f"flaxtorch benchmark ({size_name}): jax {jax.__version__}, flax {flax.__version__}, "
@@ -321,18 +340,26 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, default=str)
         return
-    print_workloads(results["workloads"])
+    tables = [print_workloads(results["workloads"])]
     if results["sweep"]:
-        print_sweep(results["sweep"])
+        tables.append(print_sweep(results["sweep"]))
         for path in plot_sweep(results["sweep"], args.out):
             print(f"wrote {path}")
     if results["leaf_sweep"]:
-        print_leaf_sweep(results["leaf_sweep"], fmt_time)
+        tables.append(print_leaf_sweep(results["leaf_sweep"], fmt_time))
         path = os.path.join(args.out, "time_vs_leaves.png")
         print(f"wrote {plot_leaf_sweep(results['leaf_sweep'], path)}")
-    print_targets(results, print_lm(results["lm"], fmt_time) if results["lm"] else [])
+    lm_targets, lm_tables = print_lm(results["lm"], fmt_time) if results["lm"] else ([], "")
+    tables.insert(1, lm_tables)
+    tables.append(print_targets(results, lm_targets))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
+    if args.docs:
+        body = [f"Produced by `{_docs.command()}` ({size_name} size, measured in "
+                f"{time.perf_counter() - start:.0f} s).", "", *_docs.machine(), "",
+                *(t.strip() + "\n" for t in tables if t)]
+        _docs.write_block(args.docs, "benchmark", "\n".join(body))
+        print(f"wrote the benchmark block of {args.docs}")
 
 
 if __name__ == "__main__":

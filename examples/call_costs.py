@@ -1,32 +1,53 @@
-"""What one call pays per tensor crossing the bridge, step by step (README "What a call costs").
+"""What crossing the bridge costs: per tensor, and per call of a small block.
 
-What this shows: the per-tensor cost of each exchange step a call takes on this machine
-(views of inputs, held parameter arrays, result views, gradient views, the forced DLPack
-route) and what narrowing int64 token ids to int32 costs per argument (the range check
-and the copy: in numpy on the CPU route, in torch on the DLPack route), each the median
-of repeated runs over many tensors. On CUDA the int64 check also reads two numbers back
-to the host, so it waits for the work that made the ids; this script measures the CPU.
-Last, how many Python function calls one cached forward+backward of a small FlaxModule
-makes (cProfile): a count, not a time, so it compares versions of the bridge on any
-machine.
+What this shows, on this machine, through flaxtorch's public API:
+
+* per tensor: ``bridge.to_jax`` and ``bridge.to_torch`` (zero-copy on CPU), a forced copy,
+  and the DLPack import and export that the CUDA route (and ``FLAXTORCH_EXCHANGE=dlpack``)
+  makes per tensor, each the median of repeated runs over many 64-element tensors;
+* per call: one forward+backward of a 2-layer MLP (width 64, batch 8, the benchmark's TINY
+  size, where the fixed cost of a call dominates) through ``FlaxModule``, as pure JAX
+  ``jit(value_and_grad)`` and as the same MLP in torch, timed in interleaved rounds;
+* how many Python function calls one cached forward+backward of that ``FlaxModule``
+  makes (cProfile): a count, not a time, so it compares versions of the bridge on any
+  machine.
+
+With ``--docs PATH`` it also writes the tables, the machine and the command as the
+``call_costs`` block of a markdown file (docs/benchmarks.md takes default-size runs only).
 
 How to run:
-    python examples/call_costs.py          # about 20 s
+    python examples/call_costs.py                                # about 20 s
+    python examples/call_costs.py --docs docs/benchmarks.md      # and update the docs
 """
 
-import argparse
-import cProfile
-import pstats
-import statistics
-import time
+from __future__ import annotations
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import torch
+import os
 
-from bridge import set_exchange_mode
-from bridge.internal import HeldArrays, exchange_for, narrow_to_int32
+# Set before torch is imported: torch's OpenMP threads otherwise spin after each parallel
+# region and steal the cores XLA's threads need.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import bridge  # noqa: E402
+from torchside import FlaxModule  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _docs  # noqa: E402
+
+DEFAULTS = {"tensors": 768, "repeats": 30}
 
 
 def per_item(fn, n: int, repeats: int) -> float:
@@ -40,18 +61,85 @@ def per_item(fn, n: int, repeats: int) -> float:
     return statistics.median(times) / n
 
 
+def tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
+    """(step, seconds per tensor, zero-copy) for each public conversion."""
+    tensors = [torch.randn(64) for _ in range(n)]
+    arrays = [jnp.asarray(np.asarray(t)) + 1 for t in tensors]  # JAX's own buffers
+    jax.block_until_ready(arrays)
+    shared = sum(bridge.is_zero_copy(t) for t in tensors)
+    return [
+        ("bridge.to_jax (CPU)", per_item(lambda: [bridge.to_jax(t) for t in tensors], n,
+                                         repeats), f"yes ({shared} of {n} aligned)"),
+        ("bridge.to_jax(copy=True)",
+         per_item(lambda: [bridge.to_jax(t, copy=True) for t in tensors], n, repeats),
+         "a copy"),
+        ("bridge.to_torch, after waiting (CPU)",
+         per_item(lambda: [bridge.to_torch(a) for a in arrays], n, repeats), "yes"),
+        ("DLPack import, jax.dlpack.from_dlpack (the CUDA route's)",
+         per_item(lambda: [jax.dlpack.from_dlpack(t) for t in tensors], n, repeats), "yes"),
+        ("DLPack export, torch.from_dlpack (the CUDA route's)",
+         per_item(lambda: [torch.from_dlpack(a) for a in arrays], n, repeats), "yes"),
+    ]
+
+
 class TinyMLP(nn.Module):
     """The benchmark's TINY workload: two Dense layers, width 64."""
 
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(64)(jnp.tanh(nn.Dense(64)(x)))
+        h = jnp.tanh(nn.Dense(64)(x))  # built first, so named Dense_0
+        return nn.Dense(64)(h)
+
+
+def call_rows(repeats: int) -> tuple[list[tuple[str, float]], float]:
+    """Median seconds per forward+backward of ``TinyMLP`` three ways, and their max diff."""
+    x = torch.randn(8, 64)
+    ct = torch.randn(8, 64)
+    layer = FlaxModule(TinyMLP(), example_args=(x,))
+    params = layer.flax_variables()["params"]
+    twin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    with torch.no_grad():
+        for linear, name in ((twin[0], "Dense_0"), (twin[2], "Dense_1")):
+            linear.weight.copy_(bridge.to_torch(params[name]["kernel"]).T)
+            linear.bias.copy_(bridge.to_torch(params[name]["bias"]))
+
+    @jax.jit
+    def value_and_grad(p, x, ct):
+        return jax.value_and_grad(
+            lambda p, x: jnp.vdot(TinyMLP().apply({"params": p}, x), ct), argnums=(0, 1)
+        )(p, x)
+
+    jx, jct = jnp.asarray(x.numpy()), jnp.asarray(ct.numpy())
+    xs = {name: x.clone().requires_grad_() for name in ("flaxtorch", "torch")}
+
+    def run(module, name):
+        module.zero_grad(set_to_none=True)
+        xs[name].grad = None
+        out = module(xs[name])
+        out.backward(ct)
+        return out
+
+    calls = {
+        "FlaxModule": lambda: run(layer, "flaxtorch"),
+        "pure JAX jit(value_and_grad)": lambda: jax.block_until_ready(
+            value_and_grad(params, jx, jct)),
+        "torch eager": lambda: run(twin, "torch"),
+    }
+    diff = float((calls["FlaxModule"]().detach() - calls["torch eager"]().detach()).abs().max())
+    for call in calls.values():  # compile and settle
+        for _ in range(3):
+            call()
+    times = {name: [] for name in calls}
+    for _ in range(max(repeats, 10)):  # interleaved: load on the machine hits all alike
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return [(name, statistics.median(t)) for name, t in times.items()], diff
 
 
 def python_calls_per_call(repeats: int) -> float:
     """Python function calls per cached forward+backward of ``TinyMLP`` (batch 8)."""
-    from torchside import FlaxModule
-
     layer = FlaxModule(TinyMLP(), example_args=(torch.zeros(8, 64),))
     x, ct = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64)
     for _ in range(3):  # compile and settle
@@ -66,59 +154,56 @@ def python_calls_per_call(repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tensors", type=int, default=768,
+    parser.add_argument("--tensors", type=int, default=DEFAULTS["tensors"],
                         help="tensors per measurement (768: the benchmark's LEAVES workload)")
-    parser.add_argument("--repeats", type=int, default=30, help="runs per median")
+    parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"],
+                        help="runs per median")
+    parser.add_argument("--docs", default=None, metavar="PATH",
+                        help="also write the tables as the call_costs block of this "
+                             "markdown file (docs/benchmarks.md: default sizes only)")
     args = parser.parse_args()
     n, repeats = args.tensors, args.repeats
-    tensors = [torch.randn(64) for _ in range(n)]
-    cpu = exchange_for(torch.device("cpu"))
-    held = HeldArrays()
-    held.arrays(tensors, cpu)
-    arrays = [jax.numpy.asarray(t.numpy()) + 1 for t in tensors]
-    jax.block_until_ready(arrays)
-    packed = torch.randn(n * 64)
-    templates = [torch.empty(64, device="meta")] * n
-    rows = [
-        ("torch -> JAX: pointer view of an input or cotangent",
-         per_item(lambda: [cpu.view(t) for t in tensors], n, repeats), "yes (aligned)"),
-        ("torch -> JAX: a parameter's held array, checked and reused",
-         per_item(lambda: held.arrays(tensors, cpu), n, repeats), "yes"),
-        ("JAX -> torch: result view, after waiting for it",
-         per_item(lambda: cpu.run("results", lambda: arrays), n, repeats), "yes"),
-        ("a gradient's view of the packed gradient buffer",
-         per_item(lambda: torch._C._nn.unflatten_dense_tensors(packed, templates), n,
-                  repeats), "yes"),
-    ]
-    previous = set_exchange_mode("dlpack")
-    try:
-        rows += [
-            ("forced DLPack route (FLAXTORCH_EXCHANGE=dlpack), import",
-             per_item(lambda: [jax.dlpack.from_dlpack(t) for t in tensors], n, repeats), "yes"),
-            ("forced DLPack route, export",
-             per_item(lambda: [torch.from_dlpack(a) for a in arrays], n, repeats), "yes"),
-        ]
-    finally:
-        set_exchange_mode(previous)
-    for shape in ((8, 32), (64, 512)):
-        ids = torch.randint(0, 50257, shape)
-        rows.append((f"int64 ids {shape[0]}x{shape[1]} -> int32: range check and copy",
-                     per_item(lambda ids=ids: cpu.narrowed(ids, "ids"), 1, 10 * repeats),
-                     "a copy"))
-        rows.append((f"int64 ids {shape[0]}x{shape[1]} -> int32: the same in torch "
-                     f"(DLPack route)",
-                     per_item(lambda ids=ids: narrow_to_int32(ids), 1, 10 * repeats), "a copy"))
-        rows.append((f"int64 ids {shape[0]}x{shape[1]} -> int32: the copy alone",
-                     per_item(lambda ids=ids: cpu.narrowed(ids, "ids", check=False), 1,
-                              10 * repeats), "a copy"))
-    width = max(len(r[0]) for r in rows)
+    if args.docs:
+        full = (n, repeats) == (DEFAULTS["tensors"], DEFAULTS["repeats"])
+        _docs.check_target(args.docs, full=full, script="call_costs.py")
+    tensors = tensor_rows(n, repeats)
+    calls, diff = call_rows(repeats)
+    python_calls = python_calls_per_call(max(repeats, 10))
+
     print(f"jax {jax.__version__}, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")
+    width = max(len(r[0]) for r in tensors)
+    print(f"Per tensor (64 float32 elements; median of {repeats} runs over {n} tensors)")
     print(f"{'step'.ljust(width)}  {'cost':>9}  zero-copy")
-    for name, seconds, zero_copy in rows:
+    for name, seconds, zero_copy in tensors:
         print(f"{name.ljust(width)}  {seconds * 1e6:7.1f} us  {zero_copy}")
+    print(f"\nPer call: forward+backward of a 2-layer MLP, width 64, batch 8 (median; "
+          f"FlaxModule and torch agree to {diff:.1e})")
+    base = dict(calls)["torch eager"]
+    for name, seconds in calls:
+        print(f"{name.ljust(width)}  {seconds * 1e6:7.0f} us  {seconds / base:.2f}x torch eager")
     print(f"Python function calls per cached forward+backward of a 2-layer FlaxModule: "
-          f"{python_calls_per_call(max(repeats, 10)):.0f}")
+          f"{python_calls:.0f}")
+
+    if args.docs:
+        body = "\n".join([
+            f"Produced by `{_docs.command()}`.", "", *_docs.machine(), "",
+            f"Per tensor (64 float32 elements; median of {repeats} runs over {n} tensors):",
+            "",
+            _docs.md_table(["step", "cost", "zero-copy"],
+                           [[s, f"{t * 1e6:.1f} us", z] for s, t, z in tensors]),
+            "",
+            "Per call, forward+backward of a 2-layer MLP (width 64, batch 8), median of "
+            f"interleaved rounds (FlaxModule and torch agree to {diff:.1e}):",
+            "",
+            _docs.md_table(["contestant", "time", "vs torch eager"],
+                           [[s, f"{t * 1e6:.0f} us", f"{t / base:.2f}x"] for s, t in calls]),
+            "",
+            f"Python function calls per cached forward+backward of that FlaxModule "
+            f"(cProfile): {python_calls:.0f}.",
+        ])
+        _docs.write_block(args.docs, "call_costs", body)
+        print(f"wrote the call_costs block of {args.docs}")
 
 
 if __name__ == "__main__":

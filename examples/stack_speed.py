@@ -21,14 +21,16 @@ long the step takes to compile, for two-level ``remat_stack`` and for ``nn.scan`
 remat; nothing runs, so large batches cost only compile time.
 
 How to run (CPU is fine; about two minutes at the defaults):
-    PYTHONPATH=. python examples/stack_speed.py [--depth 64] [--width 512] [--batch 64]
-    PYTHONPATH=. python examples/stack_speed.py --table [--width 512] [--batch 64]
+    python examples/stack_speed.py [--depth 64] [--width 512] [--batch 64]
+    python examples/stack_speed.py --table [--width 512] [--batch 64]
 """
 
 import argparse
 import collections
 import math
+import os
 import re
+import sys
 import time
 
 import flax.linen as nn
@@ -37,34 +39,47 @@ import jax.numpy as jnp
 import numpy as np
 
 import flaxside
-from tests.twins import (
-    RematScanStack,
-    ResidualMLPBlock,
-    ScanRematStack,
-    ScanStack,
-    StockRematScanStack,
-)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_report import fmt_bytes  # noqa: E402
+from _bench_workloads import Block, RematScan, Scan  # noqa: E402
+
+
+class StockRematScan(nn.Module):
+    """``nn.remat_scan(Block)`` as Flax documents it: the innermost loop is not remat'd."""
+
+    width: int
+    lengths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat_scan(Block, lengths=self.lengths)(self.width, name="stack")(x)
+
+
+def fmt(n: int | None) -> str:
+    """``n`` bytes (powers of 1024), right-aligned to 14 characters."""
+    return f"{fmt_bytes(n):>13} "
 
 
 def variants(depth: int, width: int):
     a = math.isqrt(depth)
     two = (a, depth // a) if a * (depth // a) == depth else None
-    out = {"nn.scan(nn.remat)": ScanRematStack(width, depth)}
+    out = {"nn.scan(nn.remat)": Scan(width, depth, remat=True)}
     if two:
-        out[f"nn.remat_scan {two}  [before]"] = StockRematScanStack(width, two)
-        out[f"nn.remat_scan(nn.remat) {two}"] = RematScanStack(width, two)
-    out[f"remat_stack ({depth},)"] = flaxside.remat_stack(ResidualMLPBlock, depth, width=width)
+        out[f"nn.remat_scan {two}  [before]"] = StockRematScan(width, two)
+        out[f"nn.remat_scan(nn.remat) {two}"] = RematScan(width, two)
+    out[f"remat_stack ({depth},)"] = flaxside.remat_stack(Block, depth, width=width)
     if two:
         out[f"remat_stack {two}  [after]"] = flaxside.remat_stack(
-            ResidualMLPBlock, depth, lengths=two, width=width)
+            Block, depth, lengths=two, width=width)
         # Each layer keeps its internals while its segment is in the backward: no third
         # forward pass, for two levels' held memory plus one segment of internals.
         out["  same, everything_saveable"] = flaxside.remat_stack(
-            ResidualMLPBlock, depth, lengths=two, width=width, policy="everything_saveable")
+            Block, depth, lengths=two, width=width, policy="everything_saveable")
     c = round(depth ** (1 / 3))
     if c**3 == depth:
         out[f"remat_stack {(c, c, c)}"] = flaxside.remat_stack(
-            ResidualMLPBlock, depth, lengths=(c, c, c), width=width)
+            Block, depth, lengths=(c, c, c), width=width)
     return out
 
 
@@ -80,7 +95,6 @@ def compiled_step(module: nn.Module, x, ct):
 
 
 def depth_table(width: int, batch: int):
-    fmt = flaxside._memory.format_bytes
     x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
     print(f"width {width}, batch {batch}: held bytes and compile seconds (forward+backward)")
     print(f"{'depth':>6}{'lengths':>12}{'held':>14}{'bwd temp':>14}{'compile':>9}"
@@ -88,8 +102,8 @@ def depth_table(width: int, batch: int):
     for depth in (16, 64, 256, 1024):
         a = math.isqrt(depth)
         ours = flaxside.memory_report(
-            flaxside.remat_stack(ResidualMLPBlock, depth, lengths=(a, a), width=width), x)
-        scan = flaxside.memory_report(ScanStack(width, depth), x)
+            flaxside.remat_stack(Block, depth, lengths=(a, a), width=width), x)
+        scan = flaxside.memory_report(Scan(width, depth), x)
         print(f"{depth:>6}{str((a, a)):>12}{fmt(ours.held_bytes)}{fmt(ours.backward_temp_bytes)}"
               f"{ours.compile_seconds:>7.2f} s{fmt(scan.held_bytes)}{scan.compile_seconds:>7.2f} s",
               flush=True)
@@ -183,7 +197,6 @@ def main():
             jax.block_until_ready(step(params, x))
             times[name].append(time.perf_counter() - start)
     base = min(times["nn.scan(nn.remat)"])
-    fmt = flaxside._memory.format_bytes
     print(f"{'variant':<34}{'step min':>10}{'median':>9}{'ratio':>7}{'compile':>9}"
           f"{'step temp':>14}{'held':>14}")
     for name, ts in times.items():
