@@ -6,10 +6,10 @@ to)? Its transpose hands each outer iteration a *slice* of the stacked parameter
 stack that is then written into the full one. On CPU, XLA materializes all of it: per
 step, one copy of every parameter in the forward and in the backward, a zero fill and a
 copy of every gradient, which made stock ``nn.remat_scan`` much slower than the one more
-forward per level it should cost (``examples/stack_speed.py`` measures both; README has
-the figures). Here every level reads layer ``i`` straight from the one flat parameter
-stack and writes its gradient straight into one flat gradient stack that the nested loops
-carry, so no level copies a segment of parameters or gradients.
+forward per level it should cost (``examples/stack_speed.py`` measures both). Here every
+level reads layer ``i`` straight from the one flat parameter stack and writes its gradient
+straight into one flat gradient stack that the nested loops carry, so no level copies a
+segment of parameters or gradients.
 
 Memory is the same as nested remat-scan: the forward keeps ``lengths[0]`` carries; the
 backward of one outer segment recomputes its ``lengths[1]`` carries, and so on; the
