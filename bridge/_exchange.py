@@ -32,7 +32,8 @@ JAX's work after torch's and torch's after JAX's:
   torch has queued, before JAX reads anything. Results are exported to torch's current
   stream (``torch.from_dlpack`` passes it to JAX's ``__dlpack__``), so torch's next work,
   a write to an output included, waits for JAX's. ``record_ordering`` records these
-  steps, so that tests check them on a CPU (``tests/test_exchange_ordering.py``). Exit
+  steps from inside the exports that make them (``_ordering.py``), so that tests check
+  them on a CPU. Exit
   waits for JAX to let go of every import (NOTE [Imports at exit], ``bridge/_imports.py``).
 """
 
@@ -47,7 +48,7 @@ import torch
 
 from bridge import _devices, _dtypes
 from bridge._imports import imported
-from bridge._ordering import record, recorders
+from bridge._ordering import Observed, record, recorders
 
 ALIGNMENT = 64  # bytes; XLA's CPU client copies host buffers aligned less than this.
 
@@ -260,7 +261,8 @@ class DlpackExchange:
         tensor = logical(tensor.detach())
         if 0 in tensor.shape:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
-        return imported(tensor, jax.dlpack.from_dlpack(tensor))
+        source = Observed(tensor, "import", self.torch_device) if recorders else tensor
+        return imported(tensor, jax.dlpack.from_dlpack(source))
 
     def narrowed(self, tensor: torch.Tensor, name: str, check: bool = True):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.
@@ -298,16 +300,19 @@ class DlpackExchange:
         device = self.torch_device
         # torch's current stream -> event -> JAX's stream, after everything torch queued.
         exported = self._fence.detach()  # its own object, to see JAX let go (_imports)
-        fence = imported(exported, jax.dlpack.from_dlpack(exported))
-        if recorders:
-            record("torch->jax", device)
-            record("run", device, name)
+        source = Observed(exported, "torch->jax", device) if recorders else exported
+        fence = imported(exported, jax.dlpack.from_dlpack(source))
+        if not recorders:
+            arrays = program(*args, fence)
+            # JAX's results -> torch's current stream (torch passes it to __dlpack__).
+            return arrays, [torch.from_dlpack(a) for a in arrays]
+        record("run", device, detail=name)
         arrays = program(*args, fence)
-        # JAX's results -> torch's current stream (JAX's __dlpack__ is given torch's stream).
-        tensors = [torch.from_dlpack(a) for a in arrays]
-        if recorders:
-            record("jax->torch", device,
-                   tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
+        observed = [Observed(a, "jax->torch", device) for a in arrays]
+        tensors = [torch.from_dlpack(o) for o in observed]
+        streams = {s for o in observed for s in o.streams}
+        record("jax->torch", device, streams.pop() if len(streams) == 1 else tuple(streams),
+               tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
         return arrays, tensors
 
     @staticmethod

@@ -1,7 +1,11 @@
 """Recording the DLPack route's ordering steps, so that tests check them without a GPU.
 
-``DlpackExchange.run`` (``_exchange.py``) records each step only while a
-``record_ordering`` block is open (``recorders`` is not empty); otherwise no code here runs.
+While a ``record_ordering`` block is open (``recorders`` is not empty), the DLPack route
+(``_exchange.py``) hands JAX and torch ``Observed`` wrappers instead of the tensors and
+arrays themselves: each step is recorded from inside the ``__dlpack__`` call that does
+it, with the stream the consumer passed, so a step that does not happen (a fence imported
+once and reused, an import without a stream) is missing from the log rather than logged
+anyway. Outside such a block no code here runs.
 """
 
 from __future__ import annotations
@@ -16,13 +20,19 @@ class OrderingEvent(NamedTuple):
     """One ordering step of the DLPack route, as ``record_ordering`` sees it.
 
     Attributes:
-        kind: ``"torch->jax"``: JAX's stream now waits for everything torch has queued on
-            its current stream (the fence); ``"run"``: a program is dispatched;
-            ``"jax->torch"``: torch's current stream now waits for the program's results.
+        kind: ``"torch->jax"``: the fence's export to JAX, once per program run (JAX's
+            stream then waits for everything torch queued on ``stream``); ``"import"``:
+            an argument or cotangent imported for one call (an ordering of its own);
+            ``"run"``: a program is dispatched; ``"jax->torch"``: a program's results
+            exported to torch (torch's ``stream`` then waits for them).
         device: the torch device the program runs on.
-        stream: torch's current CUDA stream (``cuda_stream``) at that step; ``None`` on CPU.
-        detail: for ``"run"`` the program's name, for ``"jax->torch"`` the memory handed to
-            torch, as ``(data pointer, bytes)`` per tensor.
+        stream: the torch stream ordered: for ``"torch->jax"`` and ``"import"`` torch's
+            current CUDA stream at the export, which torch's ``__dlpack__`` orders before
+            the consumer's; for ``"jax->torch"`` the stream torch passed to JAX's
+            ``__dlpack__``; ``None`` on CPU and for ``"run"``.
+        detail: ``"torch->jax"`` / ``"import"``: the stream the consumer (JAX) passed;
+            ``"run"``: the program's name; ``"jax->torch"``: the memory handed to torch,
+            as ``(data pointer, bytes)`` per tensor.
     """
 
     kind: str
@@ -36,13 +46,13 @@ recorders: list[list] = []
 
 @contextlib.contextmanager
 def record_ordering():
-    """Records the ordering steps every DLPack-route ``run`` takes, in order.
+    """Records the ordering steps every DLPack-route call takes, in order.
 
     With ``FLAXTORCH_EXCHANGE=dlpack`` a CPU run makes exactly the calls a CUDA run makes,
-    so a test can check, without a GPU, that each program run is fenced once, after
-    torch's writes and before JAX reads, and that its results are handed back to torch's
-    stream before torch touches them. Yields the list of ``OrderingEvent``s; a test may
-    append markers of its own to it.
+    so a test can check, without a GPU, that each program run imports its fence once,
+    after torch's writes and before JAX reads, and that its results are handed back to
+    torch's stream before torch touches them. Yields the list of ``OrderingEvent``s; a
+    test may append markers of its own to it.
 
     Example:
         >>> with record_ordering() as log:
@@ -58,9 +68,35 @@ def record_ordering():
         recorders.remove(log)
 
 
-def record(kind: str, device: torch.device, detail=None) -> None:
+def record(kind: str, device: torch.device, stream=None, detail=None) -> None:
     """Appends one step to every open ``record_ordering`` log (``recorders``)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     event = OrderingEvent(kind, device, stream, detail)
     for log in recorders:
         log.append(event)
+
+
+def current_stream(device: torch.device) -> int | None:
+    """The current CUDA stream of torch on ``device`` (``None`` on CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+class Observed:
+    """A tensor or array whose DLPack export records itself as an ordering step.
+
+    ``torch->jax`` kinds record torch's current stream (the producer's) and the stream JAX
+    passed; ``jax->torch`` records the stream torch passed (``streams`` keeps them).
+    """
+
+    __slots__ = ("obj", "kind", "device", "streams")
+
+    def __init__(self, obj, kind: str, device: torch.device):
+        self.obj, self.kind, self.device, self.streams = obj, kind, device, []
+
+    def __dlpack_device__(self):
+        return self.obj.__dlpack_device__()
+
+    def __dlpack__(self, *args, stream=None, **kwargs):
+        self.streams.append(stream)
+        if self.kind != "jax->torch":
+            record(self.kind, self.device, current_stream(self.device), stream)
+        return self.obj.__dlpack__(*args, stream=stream, **kwargs)
