@@ -58,8 +58,11 @@ def is_key(x) -> bool:
 
 
 def key_data_shape() -> tuple[int, ...]:
-    """Shape of one key's raw data under the default PRNG implementation."""
-    return tuple(jax.random.key_data(jax.random.key(0)).shape)
+    """Shape of one key's raw data under the default PRNG implementation.
+
+    Traced, not computed: building a module on the meta device starts no JAX backend.
+    """
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
 
 
 def snapshot(leaves: list, index) -> list:
