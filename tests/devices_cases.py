@@ -5,7 +5,7 @@ JAX's default device stays GPU 0. ``tests/test_devices.py`` reproduces that on a
 runs this file in a process with two host devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=2``) and JAX's default device set to
 the second, while the tensors are torch ``cpu`` tensors, i.e. JAX's first CPU device
-(``FLAXTORCH_TEST_JAX_DEFAULT``, ``FLAXTORCH_TEST_TORCH_DEVICE``: ``tests/devices_env.py``;
+(``FLAXTORCH_TEST_JAX_DEFAULT``, ``FLAXTORCH_TEST_TORCH_DEVICE``: ``tests/support/devices_env.py``;
 ``examples/gpu_check.py`` runs it with CUDA tensors and the CPU as JAX's default, and with
 CPU tensors and the GPU as default).
 
@@ -32,9 +32,9 @@ from flax import nnx
 import bridge
 import flaxside
 from flaxside.internal import key_data_shape, wrap_keys
-from tests.corpus_helpers import check_function, check_linen, check_nnx, reference_on
-from tests.devices_env import apply_default_device, tensor_device
-from tests.twins import NnxDropoutMLP
+from tests.support.corpus_helpers import check_function, check_linen, check_nnx, reference_on
+from tests.support.devices_env import apply_default_device, tensor_device
+from tests.support.twins import NnxDropoutMLP
 from torchside import FlaxModule, jax_function
 
 OTHER = apply_default_device()
@@ -43,7 +43,7 @@ RIGHT = bridge.jax_device(TORCH)
 if OTHER is None or OTHER == RIGHT:
     raise RuntimeError(
         f"devices_cases.py needs JAX's default device to differ from the tensors' "
-        f"({RIGHT}); set FLAXTORCH_TEST_JAX_DEFAULT (see tests/devices_env.py)."
+        f"({RIGHT}); set FLAXTORCH_TEST_JAX_DEFAULT (see tests/support/devices_env.py)."
     )
 
 

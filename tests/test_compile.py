@@ -4,7 +4,7 @@ import flax.linen as nn
 import pytest
 import torch
 
-from tests.twins import RematScanStack
+from tests.support.twins import RematScanStack
 from torchside import FlaxModule
 
 

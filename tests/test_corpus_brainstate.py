@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from tests.corpus_helpers import check_function, covers
+from tests.support.corpus_helpers import check_function, covers
 
 NOTE = "run with brainstate 0.5.4; skips without the optional brainstate extra"
 

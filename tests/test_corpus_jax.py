@@ -14,7 +14,7 @@ import pytest
 import torch
 from jax.ad_checkpoint import checkpoint_name
 
-from tests.corpus_helpers import check_function, covers
+from tests.support.corpus_helpers import check_function, covers
 from torchside import jax_function
 
 P = jax.checkpoint_policies

@@ -2,7 +2,7 @@
 
 Each module below reproduces an example from the docstrings in
 ``flax/linen/transforms.py`` (flax 0.12.8), written as our own code; the comment above it
-names the docstring. ``tests/corpus_helpers.py`` runs it through the bridge and as pure
+names the docstring. ``tests/support/corpus_helpers.py`` runs it through the bridge and as pure
 ``module.apply`` and compares outputs, every gradient and the written-back state.
 """
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from tests.corpus_helpers import check_linen, covers
+from tests.support.corpus_helpers import check_linen, covers
 from torchside import FlaxModule
 
 POLICIES = {

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from tests.corpus_helpers import check_linen, covers
+from tests.support.corpus_helpers import check_linen, covers
 
 
 # The docstrings' LearnScale starts its parameter at zero, which makes every gradient

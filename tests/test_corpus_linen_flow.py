@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.corpus_helpers import check_linen, covers, to_jax
+from tests.support.corpus_helpers import check_linen, covers, to_jax
 from torchside import FlaxModule
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.corpus_helpers import check_nnx, covers, to_jax
+from tests.support.corpus_helpers import check_nnx, covers, to_jax
 from torchside import FlaxModule
 
 POLICIES = {

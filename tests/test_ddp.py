@@ -8,15 +8,14 @@ same model with its loss inside one FlaxModule (the scalar-loss route) under DDP
 ``gradient_as_bucket_view=True``: it must end where the first model ends.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.ddp_worker import build
-from tests.ranks import run_reference, run_two_ranks
+from tests.support import ROOT
+from tests.support.ddp_worker import build
+from tests.support.ranks import run_reference, run_two_ranks
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
+WORKER = ROOT / "tests" / "support" / "ddp_worker.py"
 ELSEWHERE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
              "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:1"}
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

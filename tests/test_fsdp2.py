@@ -7,14 +7,13 @@ with its loss in one FlaxModule (the scalar-loss route, whose gradients reach ``
 buffers JAX computed in the forward).
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.ranks import run_reference, run_two_ranks
+from tests.support import ROOT
+from tests.support.ranks import run_reference, run_two_ranks
 
-WORKER = Path(__file__).with_name("fsdp2_worker.py")
+WORKER = ROOT / "tests" / "support" / "fsdp2_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bridge
-from tests.twins import RematScanStack
+from tests.support.twins import RematScanStack
 from torchside import FlaxModule
 
 pytestmark = pytest.mark.gpu

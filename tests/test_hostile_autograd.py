@@ -17,7 +17,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.twins import ResidualMLPBlock
+from tests.support.twins import ResidualMLPBlock
 from torchside import FlaxModule, jax_function
 
 MODES = pytest.mark.parametrize("residuals", ["save", "recompute"])

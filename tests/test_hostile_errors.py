@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.twins import ResidualMLPBlock
+from tests.support.twins import ResidualMLPBlock
 from torchside import FlaxModule, RecompileWarning, jax_function
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.twins import RematScanStack
+from tests.support.twins import RematScanStack
 from torchside import FlaxModule, jax_function
 
 

@@ -9,7 +9,7 @@ import jax
 import pytest
 import torch
 
-from tests.twins import ScanStack
+from tests.support.twins import ScanStack
 from torchside import FlaxModule, jax_function
 
 MODES = pytest.mark.parametrize("residuals", ["save", "recompute"])

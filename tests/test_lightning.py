@@ -1,6 +1,6 @@
 """Lightning over a model that holds a FlaxModule, each run against a plain torch loop.
 
-The LightningModule, data and plain loop live in tests/lightning_worker.py; the two-rank
+The LightningModule, data and plain loop live in tests/support/lightning_worker.py; the two-rank
 strategies are in tests/test_lightning_ddp.py.
 """
 
@@ -11,7 +11,7 @@ pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from tests.lightning_worker import Lit, loader, plain_loop, trainer  # noqa: E402
+from tests.support.lightning_worker import Lit, loader, plain_loop, trainer  # noqa: E402
 
 pytestmark = [
     # Lightning's advice for a toy run (few batches, no dataloader workers) is not an

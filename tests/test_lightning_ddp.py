@@ -1,23 +1,22 @@
 """Lightning ``strategy="ddp"`` and ``"ddp_spawn"`` on 2 CPU ranks vs a plain torch loop.
 
-Each strategy runs tests/lightning_worker.py in its own process: ``ddp`` relaunches the
+Each strategy runs tests/support/lightning_worker.py in its own process: ``ddp`` relaunches the
 script it runs in (here the worker, not pytest), ``ddp_spawn`` pickles the LightningModule,
 FlaxModule included, into two spawned processes (issue 15).
 """
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("lightning")
 
-from tests.lightning_worker import BATCH, DDP_EPOCHS, Lit, plain_loop  # noqa: E402
+from tests.support import ROOT, subprocess_env  # noqa: E402
+from tests.support.lightning_worker import BATCH, DDP_EPOCHS, Lit, plain_loop  # noqa: E402
 
-WORKER = Path(__file__).with_name("lightning_worker.py")
+WORKER = ROOT / "tests" / "support" / "lightning_worker.py"
 
 pytestmark = [
     # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates.
@@ -28,11 +27,10 @@ pytestmark = [
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_two_cpu_ranks_equal_a_plain_loop_on_the_full_batches(strategy, tmp_path):
     out = tmp_path / "state.pt"
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(tmp_path / "log.txt", "w") as sink:  # a file, not a pipe: no rank blocks on it
-        run = subprocess.run([sys.executable, str(WORKER), strategy, str(out)], env=env,
-                             stdout=sink, stderr=subprocess.STDOUT, timeout=300)
+        run = subprocess.run([sys.executable, str(WORKER), strategy, str(out)],
+                             env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT,
+                             timeout=300)
     assert run.returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
     final = torch.load(out, weights_only=True)
     initial = Lit().state_dict()

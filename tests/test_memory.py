@@ -12,7 +12,7 @@ from flax import nnx
 
 import flaxside
 from flaxside.internal import ARRAY, LeafSpec, Program, compile_for_report, flat_apply, unpack
-from tests.twins import (
+from tests.support.twins import (
     NnxDropoutMLP,
     NnxResidualMLPBlock,
     ResidualMLPBlock,

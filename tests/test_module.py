@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.twins import RematScanStack, ResidualMLPBlock
+from tests.support.twins import RematScanStack, ResidualMLPBlock
 from torchside import FlaxModule
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.twins import NnxDropoutMLP
+from tests.support.twins import NnxDropoutMLP
 from torchside import FlaxModule
 
 

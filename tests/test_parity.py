@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.twins import ResidualMLPBlock, TorchResidualMLPBlock
-from tests.twins_parity import random_variables
+from tests.support.twins import ResidualMLPBlock, TorchResidualMLPBlock
+from tests.support.twins_parity import random_variables
 from torchside import FlaxModule
 from torchside.parity import (
     FlaxSource,

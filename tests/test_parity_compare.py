@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.twins import ResidualMLPBlock, TorchResidualMLPBlock
 from tests.test_parity import flax_apply, flax_variables  # noqa: F401
-from tests.twins import ResidualMLPBlock, TorchResidualMLPBlock
 from torchside import FlaxModule
 from torchside.parity import (
     TOLERANCES,

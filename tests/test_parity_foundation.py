@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.twins import RematScanStack, ScanRematStack, ScanStack, torch_stack_from_flax
+from tests.support.twins import RematScanStack, ScanRematStack, ScanStack, torch_stack_from_flax
 from torchside import FlaxModule
 
 WIDTH, BATCH = 8, 5

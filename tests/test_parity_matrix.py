@@ -21,7 +21,7 @@ import jax
 import pytest
 import torch
 
-from tests.twins_parity import TORCH_VARIANTS, TWINS, stack_variables
+from tests.support.twins_parity import TORCH_VARIANTS, TWINS, stack_variables
 from torchside import FlaxModule
 from torchside.parity import assert_matches, compare, copy_weights
 

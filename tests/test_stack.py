@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flaxside
-from tests.twins import (
+from tests.support.twins import (
     NnxResidualMLPBlock,
     RematScanStack,
     ResidualMLPBlock,

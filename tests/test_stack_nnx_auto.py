@@ -12,6 +12,11 @@ from flax import nnx
 
 import flaxside
 from flaxside._lengths import candidate_lengths, factorizations, pick_lengths
+from tests.support.twins import (
+    NnxResidualMLPBlock,
+    ResidualMLPBlock,
+    torch_stack_from_flax,
+)
 from tests.test_stack import (
     LENGTH_IDS,
     LENGTHS,
@@ -21,11 +26,6 @@ from tests.test_stack import (
     _jit_vjp,
     _relayout,
     _unrolled_linen,
-)
-from tests.twins import (
-    NnxResidualMLPBlock,
-    ResidualMLPBlock,
-    torch_stack_from_flax,
 )
 from torchside import FlaxModule
 

@@ -5,13 +5,12 @@ the other one hangs both (seen once under load). The reference runs first, alone
 JAX processes on two cores made one rank stall once.
 """
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import subprocess_env
 
 
 def _free_port() -> int:
@@ -20,18 +19,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(extra: dict | None = None) -> dict:
-    return {**os.environ, **(extra or {}),
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
 def run_reference(worker: Path, out, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python worker 0 1 0 out``: the single-process run on the full batch.
 
-    ``env`` adds environment variables (e.g. ``tests/devices_env.py``'s).
+    ``env`` adds environment variables (e.g. ``tests/support/devices_env.py``'s).
     """
     return subprocess.run([sys.executable, str(worker), "0", "1", "0", str(out)],
-                          env=_env(env), timeout=300, capture_output=True, text=True)
+                          env=subprocess_env(env), timeout=300, capture_output=True, text=True)
 
 
 def run_two_ranks(worker: Path, out, logs: list[Path], env: dict | None = None) -> list[int]:
@@ -46,7 +40,7 @@ def run_two_ranks(worker: Path, out, logs: list[Path], env: dict | None = None) 
         with open(log, "w") as sink:
             procs.append(subprocess.Popen(
                 [sys.executable, str(worker), str(rank), "2", str(port), str(out)],
-                env=_env(env), stdout=sink, stderr=subprocess.STDOUT))
+                env=subprocess_env(env), stdout=sink, stderr=subprocess.STDOUT))
     try:
         for p in procs:
             p.wait(timeout=300)

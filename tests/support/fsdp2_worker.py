@@ -1,6 +1,6 @@
 """One process of the FSDP2 test: ``fully_shard`` over a model that holds a FlaxModule.
 
-Run by tests/test_fsdp2.py as ``python tests/fsdp2_worker.py RANK WORLD PORT OUT``. Each
+Run by tests/test_fsdp2.py as ``python tests/support/fsdp2_worker.py RANK WORLD PORT OUT``. Each
 process trains three models in turn, from the same initial weights: the pure-torch twin
 (the control), the model with the Flax block between torch layers, and the whole model and
 its loss in one FlaxModule (the scalar-loss route: its gradients are computed in the
@@ -22,7 +22,7 @@ import flax.linen as nn  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.loss_inside import with_loss  # noqa: E402
+from tests.support.loss_inside import with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 8

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tests.twins import ResidualMLPBlock, TorchResidualMLPBlock
+from tests.support.twins import ResidualMLPBlock, TorchResidualMLPBlock
 
 
 # -- more twins: transformer block, LSTM layer, conv + BatchNorm block ----------------------

@@ -1,6 +1,6 @@
 """One process of the DDP test: trains a model holding a FlaxModule on its shard of a batch.
 
-Run by tests/test_ddp.py as ``python tests/ddp_worker.py RANK WORLD PORT OUT``; with WORLD
+Run by tests/test_ddp.py as ``python tests/support/ddp_worker.py RANK WORLD PORT OUT``; with WORLD
 1 it trains on the full batch without torch.distributed (the reference). It trains a second
 model after the first: the same function and weights with the loss inside one FlaxModule
 (the scalar-loss route hands the gradients JAX computed in the forward to ``.grad``), under
@@ -8,7 +8,7 @@ DDP with ``gradient_as_bucket_view=True`` (DDP replaces each ``.grad`` by a view
 bucket); its state goes to ``OUT.loss``.
 ``FLAXTORCH_TEST_DDP_BACKEND=nccl`` trains rank ``r`` on ``cuda:r`` as ``torchrun`` would
 (JAX's default device stays GPU 0 in every rank); ``FLAXTORCH_TEST_JAX_DEFAULT`` moves JAX's
-default device elsewhere (``tests/devices_env.py``).
+default device elsewhere (``tests/support/devices_env.py``).
 """
 
 import datetime
@@ -23,8 +23,8 @@ import flax.linen as nn  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.devices_env import apply_default_device  # noqa: E402
-from tests.loss_inside import with_loss  # noqa: E402
+from tests.support.devices_env import apply_default_device  # noqa: E402
+from tests.support.loss_inside import with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 16
