@@ -15,6 +15,7 @@ import torch
 from flax import nnx
 
 from tests.support.corpus_helpers import check_nnx, covers, to_jax
+from tests.support.docstring_models import Model
 from torchside import FlaxModule
 
 POLICIES = {
@@ -73,35 +74,9 @@ def test_remat_static_argnums(double):
 
 
 # -- nnx.scan --------------------------------------------------------------------------
-# flax.nnx.scan docstring: Block (Linear + Dropout) stacked with split_rngs + vmap, then
-# applied with nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry).
-class Block(nnx.Module):
-    def __init__(self, input_dim, features, *, rngs):
-        self.linear = nnx.Linear(input_dim, features, rngs=rngs)
-        self.dropout = nnx.Dropout(0.1, rngs=rngs)
-
-    def __call__(self, x):
-        return jax.nn.relu(self.dropout(self.linear(x)))
-
-
-class Model(nnx.Module):
-    def __init__(self, num_layers, features, scan_kwargs=(), *, rngs):
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create_block(rngs: nnx.Rngs):
-            return Block(features, features, rngs=rngs)
-
-        self.blocks = create_block(rngs)
-        self.scan_kwargs = dict(scan_kwargs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **self.scan_kwargs)
-        def forward(x, model):
-            return model(x)
-
-        return forward(x, self.blocks)
-
-
+# flax.nnx.scan docstring: Model, Blocks (Linear + Dropout) stacked with split_rngs + vmap,
+# applied with nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry); in tests/support
+# because module tests use it too.
 @covers("nnx.scan", "Model / Block with Dropout (split_rngs + vmap init, in_axes=(Carry, 0))",
         "reverse=True", "unroll=2")
 @pytest.mark.parametrize(

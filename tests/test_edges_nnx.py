@@ -15,7 +15,7 @@ import torch
 from flax import nnx
 
 from flaxside.internal import Graph
-from tests.test_corpus_nnx import Model  # the flax.nnx.scan docstring model
+from tests.support.docstring_models import Model  # the flax.nnx.scan docstring model
 from torchside import FlaxModule
 
 MODES = ["save", "recompute"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.twins import ResidualMLPBlock, TorchResidualMLPBlock
-from tests.support.twins_parity import random_variables
+from tests.support.twins_parity import flax_variables
 from torchside import FlaxModule
 from torchside.parity import (
     FlaxSource,
@@ -18,11 +18,6 @@ from torchside.parity import (
     nest_mapping,
     stack_mapping,
 )
-
-
-def flax_variables(module, x, seed=0):
-    """Random (nothing constant) float32 variables for ``module`` at input ``x``."""
-    return random_variables(jax.eval_shape(module.init, jax.random.key(0), jnp.asarray(x)), seed)
 
 
 def flax_apply(module, variables, x) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.twins import ResidualMLPBlock, TorchResidualMLPBlock
-from tests.test_parity import flax_apply, flax_variables  # noqa: F401
+from tests.support.twins_parity import flax_variables
 from torchside import FlaxModule
 from torchside.parity import (
     TOLERANCES,

@@ -9,9 +9,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import flaxside
+from tests.support.stacks import (
+    LENGTH_IDS,
+    LENGTHS,
+    B,
+    W,
+    assert_close,
+    data,
+    flat_layers,
+    jit_vjp,
+    relayout,
+    unrolled_linen,
+)
 from tests.support.twins import (
     NnxResidualMLPBlock,
     RematScanStack,
@@ -21,67 +32,16 @@ from tests.support.twins import (
 )
 
 jtu = jax.tree_util
-W, B = 8, 4
-LENGTHS = [None, (2, 4), (2, 2, 2)]  # None is one level, (8,)
-LENGTH_IDS = ["one_level", "two_levels", "three_levels"]
-
-
-def _torch(tree):
-    return jtu.tree_map(lambda a: torch.from_numpy(np.array(a)), tree)
-
-
-def _assert_close(actual, expected, **kw):
-    torch.testing.assert_close(_torch(actual), _torch(expected), **kw)
-
-
-def _flat_layers(stacked, depth: int):
-    """Per-layer parameter trees from leaves whose leading axes multiply to ``depth``."""
-    def flat(a):
-        lead = next(k for k in range(a.ndim + 1) if math.prod(a.shape[:k]) == depth)
-        return a.reshape((depth,) + a.shape[lead:])
-
-    flat_tree = jtu.tree_map(flat, stacked)
-    return [jtu.tree_map(lambda a, i=i: a[i], flat_tree) for i in range(depth)]
-
-
-def _unrolled_linen(block: nn.Module, depth: int):
-    def apply(params, x):
-        for p in _flat_layers(params, depth):
-            x = block.apply({"params": p}, x)
-        return x
-
-    return apply
-
-
-def _vjp(fn, params, x, ct):
-    out, pull = jax.vjp(fn, params, x)
-    return out, pull(ct)
-
-
-def _jit_vjp(fn):
-    return jax.jit(lambda p, x, ct: _vjp(fn, p, x, ct))
-
-
-def _data(dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(B, W)), dtype)
-    ct = jnp.asarray(rng.normal(size=(B, W)), dtype)
-    return x, ct
-
-
-def _relayout(tree, lead):
-    """Stacked leaves with leading axis ``(depth,)`` reshaped to leading axes ``lead``."""
-    return jtu.tree_map(lambda a: a.reshape(tuple(lead) + a.shape[1:]), tree)
 
 
 @functools.lru_cache
 def _linen_reference(depth: int, seed: int):
     """Float64 parameters (leading axis depth), data, and the unrolled layers' vjp."""
     with jax.enable_x64(True):
-        x, ct = _data(jnp.float64, seed)
+        x, ct = data(jnp.float64, seed)
         stack = flaxside.remat_stack(ResidualMLPBlock, depth, width=W, dtype=jnp.float64)
         params = stack.init(jax.random.key(seed), x)["params"]
-        ref = _jit_vjp(_unrolled_linen(ResidualMLPBlock(W, jnp.float64), depth))
+        ref = jit_vjp(unrolled_linen(ResidualMLPBlock(W, jnp.float64), depth))
         return params, x, ct, ref(params, x, ct)
 
 
@@ -92,9 +52,9 @@ def test_linen_matches_unrolled_layers(lengths):
         stack = flaxside.remat_stack(ResidualMLPBlock, 8, lengths=lengths, width=W,
                                      dtype=jnp.float64)
         lead = lengths or (8,)
-        out, (grads, gx) = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(
-            _relayout(params, lead), x, ct)
-    _assert_close((out, grads, gx), (ref_out, _relayout(ref_grads, lead), ref_gx))
+        out, (grads, gx) = jit_vjp(lambda p, x: stack.apply({"params": p}, x))(
+            relayout(params, lead), x, ct)
+    assert_close((out, grads, gx), (ref_out, relayout(ref_grads, lead), ref_gx))
 
 
 @pytest.mark.parametrize(
@@ -111,9 +71,9 @@ def test_layout_matches_flax_lifts_and_so_do_their_gradients(lengths, flax_stack
         ours = jax.eval_shape(stack.init, jax.random.key(0), x)["params"]
         flax_params = jax.eval_shape(flax_stack.init, jax.random.key(0), x)["params"]["stack"]
         assert jtu.tree_map(jnp.shape, ours) == jtu.tree_map(jnp.shape, flax_params)
-        out, (grads, gx) = _jit_vjp(lambda p, x: flax_stack.apply({"params": {"stack": p}}, x))(
-            _relayout(params, lengths), x, ct)
-    _assert_close((out, grads, gx), (ref_out, _relayout(ref_grads, lengths), ref_gx))
+        out, (grads, gx) = jit_vjp(lambda p, x: flax_stack.apply({"params": {"stack": p}}, x))(
+            relayout(params, lengths), x, ct)
+    assert_close((out, grads, gx), (ref_out, relayout(ref_grads, lengths), ref_gx))
 
 
 @pytest.mark.parametrize("policy", [*flaxside.policy_names(), "callable"])
@@ -124,9 +84,9 @@ def test_every_policy_gives_the_gradients_of_no_remat(policy):
     with jax.enable_x64(True):
         stack = flaxside.remat_stack(ResidualMLPBlock, 8, lengths=(2, 4), policy=policy,
                                      width=W, dtype=jnp.float64)
-        out, (grads, gx) = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(
-            _relayout(params, (2, 4)), x, ct)
-    _assert_close((out, (grads, gx)), (want[0], (_relayout(want[1][0], (2, 4)), want[1][1])))
+        out, (grads, gx) = jit_vjp(lambda p, x: stack.apply({"params": p}, x))(
+            relayout(params, (2, 4)), x, ct)
+    assert_close((out, (grads, gx)), (want[0], (relayout(want[1][0], (2, 4)), want[1][1])))
 
 
 class _Noisy(nn.Module):
@@ -148,7 +108,7 @@ def _stream_key(seed):
 
 def test_instance_block_and_rng_streams():
     """An unbound instance works; layer i draws dropout from fold_in(make_rng, i)."""
-    x, ct = _data(jnp.float32)
+    x, ct = data(jnp.float32)
     stack = flaxside.remat_stack(_Noisy(), 6, lengths=(2, 3))
     variables = jax.jit(stack.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
                                     x)
@@ -157,13 +117,13 @@ def test_instance_block_and_rng_streams():
         return stack.apply({"params": p}, x, rngs={"dropout": jax.random.key(seed)})
 
     def unrolled(p, x):
-        for i, layer_p in enumerate(_flat_layers(p, 6)):
+        for i, layer_p in enumerate(flat_layers(p, 6)):
             rng = jax.random.fold_in(_stream_key(2), i)
             x = _Noisy().apply({"params": layer_p}, x, rngs={"dropout": rng})
         return x
 
-    got = _jit_vjp(lambda p, x: run(p, x, 2))(variables["params"], x, ct)
-    _assert_close(got, _jit_vjp(unrolled)(variables["params"], x, ct))
+    got = jit_vjp(lambda p, x: run(p, x, 2))(variables["params"], x, ct)
+    assert_close(got, jit_vjp(unrolled)(variables["params"], x, ct))
     assert not np.allclose(got[0], jax.jit(run, static_argnums=2)(variables["params"], x, 3))
 
 
@@ -249,7 +209,7 @@ def test_invalid_block_and_stored_params_raise():
         flaxside.remat_stack(lambda x: x, 4)
     with pytest.raises(ValueError, match="rngs= is needed"):
         flaxside.remat_stack(NnxResidualMLPBlock, 4, width=W)
-    x, _ = _data(jnp.float32)
+    x, _ = data(jnp.float32)
     params = jax.eval_shape(flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(2, 8),
                                                  width=W).init, jax.random.key(0), x)
     other = flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(4, 4), width=W)

@@ -12,25 +12,26 @@ from flax import nnx
 
 import flaxside
 from flaxside._lengths import candidate_lengths, factorizations, pick_lengths
+from tests.support.stacks import (
+    LENGTH_IDS,
+    LENGTHS,
+    B,
+    W,
+    assert_close,
+    data,
+    flat_layers,
+    jit_vjp,
+    relayout,
+    unrolled_linen,
+)
 from tests.support.twins import (
     NnxResidualMLPBlock,
     ResidualMLPBlock,
     torch_stack_from_flax,
 )
-from tests.test_stack import (
-    LENGTH_IDS,
-    LENGTHS,
-    _assert_close,
-    _data,
-    _flat_layers,
-    _jit_vjp,
-    _relayout,
-    _unrolled_linen,
-)
 from torchside import FlaxModule
 
 jtu = jax.tree_util
-W, B = 8, 4  # as in tests/test_stack.py
 
 
 # -- NNX ----------------------------------------------------------------------------------
@@ -39,27 +40,27 @@ def _nnx_reference(depth: int, seed: int):
     """Float64 NNX parameters (leading axis depth), data, and the vjp of blocks in a loop."""
     dtype = jnp.float64
     with jax.enable_x64(True):
-        x, ct = _data(dtype, seed)
+        x, ct = data(dtype, seed)
         stack = flaxside.remat_stack(NnxResidualMLPBlock, depth, rngs=nnx.Rngs(seed), width=W,
                                      dtype=dtype)
         params = nnx.state(stack.layers, nnx.Param)
 
         def unrolled(params, x):
-            for p in _flat_layers(params, depth):
+            for p in flat_layers(params, depth):
                 layer = NnxResidualMLPBlock(W, dtype=dtype, rngs=nnx.Rngs(0))
                 nnx.update(layer, p)
                 x = layer(x)
             return x
 
-        return params, x, ct, _jit_vjp(unrolled)(params, x, ct)
+        return params, x, ct, jit_vjp(unrolled)(params, x, ct)
 
 
 def _nnx_check(stack, lead, reference):
     params, x, ct, (ref_out, (ref_grads, ref_gx)) = reference
-    nnx.update(stack.layers, _relayout(params, lead))
+    nnx.update(stack.layers, relayout(params, lead))
     graphdef, state = nnx.split(stack, nnx.Param)
-    out, (grads, gx) = _jit_vjp(lambda p, x: nnx.merge(graphdef, p)(x))(state, x, ct)
-    _assert_close((out, grads["layers"], gx), (ref_out, _relayout(ref_grads, lead), ref_gx))
+    out, (grads, gx) = jit_vjp(lambda p, x: nnx.merge(graphdef, p)(x))(state, x, ct)
+    assert_close((out, grads["layers"], gx), (ref_out, relayout(ref_grads, lead), ref_gx))
 
 
 @pytest.mark.parametrize("lengths", LENGTHS, ids=LENGTH_IDS)
@@ -109,7 +110,7 @@ class _NnxDropout(nnx.Module):
 
 
 def test_state_besides_params_is_refused():
-    x, _ = _data(jnp.float32)
+    x, _ = data(jnp.float32)
     with pytest.raises(NotImplementedError, match=r"collections \['stats'\] besides 'params'"):
         jax.eval_shape(flaxside.remat_stack(_Counter, 4).init, jax.random.key(0), x)
     with pytest.raises(NotImplementedError, match=r"\['drop.rngs.count', 'drop.rngs.key'\]"):
@@ -126,7 +127,7 @@ def test_factorizations():
 
 
 def test_auto_measures_candidates_and_picks_the_least_memory():
-    x, ct = _data(jnp.float32, seed=4)
+    x, ct = data(jnp.float32, seed=4)
     stack = flaxside.remat_stack(ResidualMLPBlock, 4, lengths="auto", width=W)
     choice = stack.choose_lengths(x)
     assert [row[0] for row in choice.table] == candidate_lengths(4) == [(4,), (2, 2)]
@@ -136,8 +137,8 @@ def test_auto_measures_candidates_and_picks_the_least_memory():
     # the module uses it; parameters keep one leading axis of depth
     params = jax.jit(stack.init)(jax.random.key(0), x)["params"]
     assert params["Dense_0"]["kernel"].shape == (4, W, 2 * W)
-    got = _jit_vjp(lambda p, x: stack.apply({"params": p}, x))(params, x, ct)
-    _assert_close(got, _jit_vjp(_unrolled_linen(ResidualMLPBlock(W), 4))(params, x, ct))
+    got = jit_vjp(lambda p, x: stack.apply({"params": p}, x))(params, x, ct)
+    assert_close(got, jit_vjp(unrolled_linen(ResidualMLPBlock(W), 4))(params, x, ct))
 
 
 def test_budget_picks_the_fewest_levels_that_fit():
@@ -154,7 +155,7 @@ def test_budget_picks_the_fewest_levels_that_fit():
 
 def test_auto_with_budget_end_to_end():
     """A budget reuses the measured table (no new compiles) and picks the fewest levels."""
-    x, _ = _data(jnp.float32)
+    x, _ = data(jnp.float32)
     free = flaxside.remat_stack(ResidualMLPBlock, 4, lengths="auto", width=W).choose_lengths(x)
     cost = {f: held + temp for f, held, temp, _ in free.table}
     stack = flaxside.remat_stack(ResidualMLPBlock, 4, lengths="auto", width=W,
@@ -162,8 +163,8 @@ def test_auto_with_budget_end_to_end():
     choice = stack.choose_lengths(x)
     assert choice.lengths == (4,) and choice.table == free.table
     params = jax.jit(stack.init)(jax.random.key(0), x)
-    _assert_close(jax.jit(stack.apply)(params, x),
-                  jax.jit(_unrolled_linen(ResidualMLPBlock(W), 4))(params["params"], x))
+    assert_close(jax.jit(stack.apply)(params, x),
+                  jax.jit(unrolled_linen(ResidualMLPBlock(W), 4))(params["params"], x))
 
 
 # -- through torch ------------------------------------------------------------------------

@@ -336,6 +336,11 @@ def random_variables(shapes, seed: int = 0):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def flax_variables(module, x, seed: int = 0):
+    """Random (nothing constant) float32 variables for a Linen ``module`` at input ``x``."""
+    return random_variables(jax.eval_shape(module.init, jax.random.key(0), jnp.asarray(x)), seed)
+
+
 def stack_variables(twin: Twin, variant: str, lengths: tuple[int, ...], dtype: str,
                     seed: int = 0):
     """Random numpy variables for ``twin.flax_stack(variant, lengths, dtype)``.
