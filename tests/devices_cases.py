@@ -32,6 +32,7 @@ from flax import nnx
 import bridge
 import flaxside
 from flaxside.internal import key_data_shape, wrap_keys
+from tests.support import pipeline
 from tests.support.corpus_helpers import check_function, check_linen, check_nnx, reference_on
 from tests.support.devices_env import apply_default_device, tensor_device
 from tests.support.twins import NnxDropoutMLP
@@ -322,10 +323,9 @@ def test_programs_are_compiled_for_the_tensors_device():
         m(x)
     f(x).sum().backward()
     loss(x).backward()
-    entries = [e for owner in (m, f, loss) for e in owner._caller.entries]
-    assert len(entries) == 4 and all(e.program.device == RIGHT for e in entries)
-    ran = [(e.program.name, kind, e.program.compiled(kind)) for e in entries
-           for kind in e._executables]
+    programs = [p for owner in (m, f, loss) for p in pipeline.programs(owner)]
+    assert len(programs) == 4 and all(p.device == RIGHT for p in programs)
+    ran = [run for owner in (m, f, loss) for run in pipeline.executables_run(owner)]
     assert {kind for _, kind, _ in ran} == {"forward", "forward_with_residuals", "backward",
                                             "backward_recompute", "value_and_grad"}
     for name, kind, exe in ran:  # the executables the calls ran, arguments and results

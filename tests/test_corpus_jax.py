@@ -14,6 +14,7 @@ import pytest
 import torch
 from jax.ad_checkpoint import checkpoint_name
 
+from tests.support import pipeline
 from tests.support.corpus_helpers import check_function, covers
 from torchside import jax_function
 
@@ -72,8 +73,8 @@ def test_checkpoint_policy(policy):
 def _residual_bytes(fn, args):
     wrapped = jax_function(fn)
     wrapped(*[a.requires_grad_() for a in args])
-    (entry,) = wrapped._caller.entries
-    return sum(s.aval.size * s.dtype.itemsize for s in entry.program.residual_map().residual_specs)
+    specs = pipeline.residual_map(wrapped).residual_specs
+    return sum(s.aval.size * s.dtype.itemsize for s in specs)
 
 
 def test_policy_decides_what_the_bridge_holds():
@@ -126,7 +127,7 @@ def by_name(x, mode):
 )
 def test_checkpoint_static_argnums(fn, static):
     checked = check_function(fn, (torch.randn(5), static))
-    assert len(checked.wrapped._caller.entries) == 1  # non-tensor arguments are static
+    assert len(pipeline.entries(checked.wrapped)) == 1  # non-tensor arguments are static
 
 
 @covers("jax.checkpoint", "static_argnames= (default jax config)", result="error",

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
+from tests.support import pipeline
 from torchside import FlaxModule
 
 
@@ -66,10 +67,8 @@ def _reference(module: FlaxModule, x: torch.Tensor, ct: torch.Tensor):
     """Output and every gradient by jax.vjp of pure Flax on CPU copies of the current values."""
     names = [n for n, _ in module.named_parameters()]
     values = [jnp.asarray(p.detach().cpu().numpy()) for _, p in module.named_parameters()]
-    adapter = module._adapter
-
     def f(vs, x):
-        return module.flax_module.apply(adapter.variables(vs), x)
+        return module.flax_module.apply(pipeline.variables_from(module, vs), x)
 
     y, pull = jax.vjp(f, values, jnp.asarray(x.detach().cpu().numpy()))
     g_params, g_x = pull(jnp.asarray(ct.cpu().numpy()))
@@ -103,8 +102,7 @@ def test_optimizer_step_on_torchs_stream_is_seen_by_the_next_forward(route):
         _busy(route)
         opt.step()  # in place, on torch's stream, into the memory JAX holds arrays over
         opt.zero_grad()
-    held = [s[5] for s in m._caller.held._slots if s[5] is not None]
-    assert len(held) == 4  # the arrays were reused, not re-imported per call
+    assert len(pipeline.held_arrays(m)) == 4  # the arrays were reused, not re-imported per call
 
 
 def test_a_write_to_an_output_right_after_the_call_is_not_overwritten(route):
@@ -343,9 +341,8 @@ def test_the_dlpack_route_holds_parameters_zero_copy():
     try:
         m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),))
         m(torch.randn(2, 8, requires_grad=True)).sum().backward()
-        (call,) = m._caller.entries
-        assert call.exchange.dlpack and call.program.fence
-        held = {s[5].unsafe_buffer_pointer() for s in m._caller.held._slots}
+        assert pipeline.crosses_by_dlpack(m) == [True] and pipeline.only_program(m).fence
+        held = {a.unsafe_buffer_pointer() for a in pipeline.held_arrays(m)}
         assert held == {p.data_ptr() for p in m.parameters()}  # zero-copy, made once
     finally:
         bridge.set_exchange_mode(previous)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import bridge
+from tests.support.pipeline import crosses_by_dlpack, entries, held_arrays, programs
 from torchside import FlaxModule
 
 
@@ -65,19 +66,14 @@ def _module(features: int = 8, in_features: int = 8) -> FlaxModule:
     return FlaxModule(Square(features), example_args=(torch.zeros(4, in_features),))
 
 
-def _held(module: FlaxModule) -> list:
-    """The held arrays of the module's variables (one set per module)."""
-    return [s[5] for s in module._caller.held._slots if s is not None and s[5] is not None]
-
-
 def test_parameter_array_is_made_once_and_shares_memory():
     m = _module()
     kernel = m.get_parameter("params.Dense_0.kernel")
     _check(m, 0)
-    (first,) = _held(m)
+    (first,) = held_arrays(m)
     assert first.unsafe_buffer_pointer() == kernel.data_ptr()  # zero-copy
     _check(m, 1)
-    (second,) = _held(m)
+    (second,) = held_arrays(m)
     assert second is first  # reused, not made again
 
 
@@ -96,7 +92,7 @@ def test_replaced_parameter_memory_is_used_not_the_held_array():
     with torch.no_grad():
         kernel.data = torch.randn(8, 8)  # new memory, same signature
     _check(m, 1)
-    (held,) = _held(m)
+    (held,) = held_arrays(m)
     assert held.unsafe_buffer_pointer() == kernel.data_ptr()
 
 
@@ -160,7 +156,7 @@ def test_unaligned_parameter_is_never_held_and_never_stale():
         kernel.copy_(torch.randn(8, 8))
     assert kernel.data_ptr() % bridge.internal.ALIGNMENT != 0
     _check(m, 0)
-    assert _held(m) == []
+    assert held_arrays(m) == []
     with torch.no_grad():
         kernel.mul_(-2.0)
     _check(m, 1)
@@ -169,7 +165,7 @@ def test_unaligned_parameter_is_never_held_and_never_stale():
 def test_saved_tensor_hooks_that_copy_get_correct_gradients_and_are_not_held():
     m = _module()
     _check(m, 0)
-    (before,) = _held(m)
+    (before,) = held_arrays(m)
     copies = []
 
     def pack(t):
@@ -178,7 +174,7 @@ def test_saved_tensor_hooks_that_copy_get_correct_gradients_and_are_not_held():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.clone()):
         _check(m, 1)
-    (after,) = _held(m)
+    (after,) = held_arrays(m)
     assert after is before  # the backward's temporaries were not held
 
 
@@ -190,22 +186,22 @@ def test_autocast_copies_are_not_held():
         y2 = m(x)
     assert y1.dtype == torch.bfloat16
     torch.testing.assert_close(y1, y2)
-    assert _held(m) == []
+    assert held_arrays(m) == []
 
 
 def test_held_arrays_are_one_set_per_module_not_per_signature():
     m = _module()
     for batch in (1, 2, 3, 4):
         m(torch.randn(batch, 8))
-    assert len(m._caller.entries) == 4 and len(_held(m)) == 1
+    assert len(entries(m)) == 4 and len(held_arrays(m)) == 1
 
 
 def test_clear_caches_releases_held_arrays():
     m = _module()
     _check(m, 0)
-    assert _held(m)
+    assert held_arrays(m)
     m.clear_caches()
-    assert m._caller.entries == [] and _held(m) == []
+    assert entries(m) == [] and held_arrays(m) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -226,8 +222,8 @@ def test_dlpack_exchange_mode_matches_pure_jax():
         for seed in range(3):
             _check(m, seed)
             opt.step()
-        assert all(c.exchange.dlpack and c.program.fence for c in m._caller.entries)
-        (held,) = _held(m)
+        assert all(crosses_by_dlpack(m)) and all(p.fence for p in programs(m))
+        (held,) = held_arrays(m)
         assert held.unsafe_buffer_pointer() == m.get_parameter("params.Dense_0.kernel").data_ptr()
     finally:
         bridge.set_exchange_mode(previous)

@@ -9,6 +9,7 @@ import jax
 import pytest
 import torch
 
+from tests.support import pipeline
 from tests.support.twins import ScanStack
 from torchside import FlaxModule, jax_function
 
@@ -83,7 +84,7 @@ def test_resident_memory_is_flat_over_2000_training_steps():
     print(f"  end (after gc): {rss1 / 2**20:.1f} MiB ({100 * (rss1 - rss0) / rss0:+.2f}%)")
     assert max(r for _, r in samples + [(0, rss1)]) <= 1.05 * rss0
     assert len(jax.live_arrays()) == live0  # no JAX buffer outlives its step
-    assert m.trace_count == traces0 and len(m._caller.entries) == 1
+    assert m.trace_count == traces0 and len(pipeline.entries(m)) == 1
 
 
 @MODES
@@ -106,12 +107,12 @@ def test_compile_cache_is_lru_bounded_and_evicted_programs_are_freed():
     f = jax_function(lambda x: x * 2.0, cache_size=3, recompile_warning=None)
 
     def sizes():
-        return [e.program.specs[0].shape[0] for e in f._caller.entries]
+        return [p.specs[0].shape[0] for p in pipeline.programs(f)]
 
     first = None
     for n in (1, 2, 3):
         f(torch.ones(n))
-        first = first or weakref.ref(f._caller.entries[0].program)
+        first = first or weakref.ref(pipeline.programs(f)[0])
     f(torch.ones(1))  # a hit: size 1 becomes the most recently used
     f(torch.ones(4))  # evicts size 2, the least recently used
     assert sizes() == [3, 1, 4]
@@ -130,14 +131,14 @@ def test_clear_caches_empties_the_cache_and_the_next_call_compiles_again():
     y.backward(torch.randn(8, 16))
     with torch.no_grad():
         m(x)
-    programs = [weakref.ref(e.program) for e in m._caller.entries]
+    programs = [weakref.ref(p) for p in pipeline.programs(m)]
     assert len(programs) == 2
     expected = y.detach()
     del y
     m.clear_caches()
-    assert m._caller.entries == []
+    assert pipeline.entries(m) == []
     gc.collect()
     assert [p for p in programs if p() is not None] == []
     with torch.no_grad():
         torch.testing.assert_close(m(x), expected, rtol=0, atol=0)
-    assert m.trace_count == 1 and len(m._caller.entries) == 1
+    assert m.trace_count == 1 and len(pipeline.entries(m)) == 1

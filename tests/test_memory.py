@@ -12,6 +12,7 @@ from flax import nnx
 
 import flaxside
 from flaxside.internal import ARRAY, LeafSpec, Program, compile_for_report, flat_apply, unpack
+from tests.support import pipeline
 from tests.support.twins import (
     NnxDropoutMLP,
     NnxResidualMLPBlock,
@@ -177,9 +178,9 @@ def test_flax_module_report_is_what_its_call_holds(model, train, residuals):
     layer.train(train)
     x = torch.randn(16, 8, requires_grad=True)
     report = layer.memory_report(x)
-    compiled = len(layer._caller.entries)
+    compiled = len(pipeline.entries(layer))
     assert report.held_bytes == _held_by_a_real_call(layer, x), report
-    assert len(layer._caller.entries) == compiled  # the call ran the programs the report built
+    assert len(pipeline.entries(layer)) == compiled  # the call ran the report's programs
 
 
 def test_train_mode_report_differs_from_eval_where_the_call_does():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support import pipeline
 from tests.support.twins import RematScanStack, ResidualMLPBlock
 from torchside import FlaxModule
 
@@ -84,28 +85,26 @@ def test_gradients_reach_parameters_and_inputs_that_require_grad():
 def test_inputs_without_grad_cost_no_gradient_work():
     m = FlaxModule(TwoHeads(), example_args=(_inputs(),))
     m(_inputs(grad=False))
-    (entry,) = m._caller.entries
     n_params = len(list(m.parameters()))
-    assert entry.program.diff_index == tuple(range(n_params))  # parameters only
+    assert pipeline.only_program(m).diff_index == tuple(range(n_params))  # parameters only
 
 
 def test_no_grad_runs_plain_forward_and_holds_nothing():
     m = FlaxModule(TwoHeads(), example_args=(_inputs(),))
     with torch.no_grad():
         out = m(_inputs())
-    (entry,) = m._caller.entries
-    assert out["y"].grad_fn is None and entry.program.diff_index == ()
-    assert entry.program.trace_count == 1  # the plain forward only: no residual program
+    assert out["y"].grad_fn is None and pipeline.only_program(m).diff_index == ()
+    assert m.trace_count == 1  # the plain forward only: no residual program
 
 
 def test_repeated_calls_do_not_retrace_and_new_batch_compiles_once():
     m = FlaxModule(ResidualMLPBlock(8), example_args=(torch.zeros(2, 8),))
     for _ in range(3):
         m(torch.randn(4, 8, requires_grad=True)).backward(torch.randn(4, 8))
-    assert m.trace_count == 2 and len(m._caller.entries) == 1
+    assert m.trace_count == 2 and len(pipeline.entries(m)) == 1
     for _ in range(3):
         m(torch.randn(6, 8, requires_grad=True)).backward(torch.randn(6, 8))
-    assert m.trace_count == 4 and len(m._caller.entries) == 2
+    assert m.trace_count == 4 and len(pipeline.entries(m)) == 2
 
 
 def test_outputs_are_ready_before_forward_returns():
@@ -148,8 +147,7 @@ def test_saved_tensor_hooks_see_residuals_and_inplace_write_is_caught():
     x = torch.randn(3, 8, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         y = m(x)
-    (entry,) = m._caller.entries
-    rmap = entry.program.residual_map()
+    rmap = pipeline.residual_map(m)
     n_saved = len(rmap.saved_inputs) + len(rmap.saved_outputs) + len(rmap.residual_specs)
     assert len(packed) == n_saved > 0
     y = m(x)  # saved-tensor hooks switch off torch's version check, so call again without

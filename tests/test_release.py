@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bridge
+from tests.support import pipeline
 from torchside import FlaxModule
 
 MIB = 1 << 20
@@ -102,7 +103,7 @@ def test_clear_caches_releases_programs_held_arrays_and_jax_arrays(exchange):
     with torch.no_grad():
         m(torch.randn(2, 256))
     m.zero_grad(set_to_none=True)  # a gradient is a torch view of a JAX array: the user's
-    programs = [weakref.ref(c.program) for c in m._caller.entries]
+    programs = [weakref.ref(p) for p in pipeline.programs(m)]
     assert len(programs) == 3 and len(jax.live_arrays()) > base
     m.clear_caches()
     gc.collect()
@@ -114,18 +115,19 @@ def test_a_noop_move_keeps_the_compiled_programs_and_a_real_one_recompiles():
     m = FlaxModule(Wide(32), example_args=(torch.zeros(2, 32),))
     _train_step(m, 2, 32)
     traces = m.trace_count
-    (call,) = m._caller.entries
-    program = call.program
+    (call,) = pipeline.entries(m)
+    program = pipeline.only_program(m)
     m.to("cpu")
     m.float()
     m.cpu()
     torch.nn.Sequential(m).to("cpu")
     # Identity, not only counts: always clearing would rebuild one call with one trace.
-    assert len(m._caller.entries) == 1 and m._caller.entries[0] is call
-    assert call.program is program
+    assert len(pipeline.entries(m)) == 1 and pipeline.entries(m)[0] is call
+    assert pipeline.only_program(m) is program
     _train_step(m, 2, 32)
-    assert m.trace_count == traces and len(m._caller.entries) == 1 and m._caller.entries[0] is call
+    assert m.trace_count == traces and len(pipeline.entries(m)) == 1
+    assert pipeline.entries(m)[0] is call
     m.to(torch.bfloat16)
-    assert m._caller.entries == []  # the float32 programs are gone with the float32 values
+    assert pipeline.entries(m) == []  # the float32 programs are gone with the float32 values
     with torch.no_grad():
         assert m(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support import pipeline
 from torchside import FlaxModule
 
 
@@ -113,4 +114,4 @@ def test_threads_share_the_cache_and_get_correct_gradients():
     for got, want in zip(results, expected, strict=True):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
-    assert len(m._caller.entries) == 3  # one program per batch size, shared by all threads
+    assert len(pipeline.entries(m)) == 3  # one program per batch size, shared by all threads
