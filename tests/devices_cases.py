@@ -35,7 +35,7 @@ from flaxside.internal import key_data_shape, wrap_keys
 from tests.support import pipeline
 from tests.support.corpus_helpers import check_function, check_linen, check_nnx, reference_on
 from tests.support.devices_env import apply_default_device, tensor_device
-from tests.support.twins import NnxDropoutMLP
+from tests.support.twins import NnxDropoutMLP, ResidualMLPBlock
 from torchside import FlaxModule, jax_function
 
 OTHER = apply_default_device()
@@ -221,12 +221,6 @@ def test_jax_function(residuals):
     watch.check()
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(x.shape[-1])(jnp.tanh(nn.Dense(2 * x.shape[-1])(x)))
-
-
 @pytest.mark.parametrize("lengths", [(2, 2), "auto"], ids=["two_levels", "auto"])
 def test_linen_remat_stack(lengths, monkeypatch):
     measured = []
@@ -239,7 +233,8 @@ def test_linen_remat_stack(lengths, monkeypatch):
     monkeypatch.setattr(flaxside._lengths, "memory_report", spy)
     watch = Placement()
     with reference_on(RIGHT), torch.device(TORCH):
-        check_linen(flaxside.remat_stack(Block, 4, lengths=lengths), (torch.randn(3, 8),),
+        check_linen(flaxside.remat_stack(ResidualMLPBlock, 4, lengths=lengths, width=8),
+                    (torch.randn(3, 8),),
                     tol=TOL)
     watch.check()
     if lengths == "auto":  # the candidates were measured for the tensors' device
@@ -289,13 +284,14 @@ def test_torch_compile_fullgraph(residuals):
 
 
 def test_memory_report_compiles_for_the_tensors_device():
-    m = FlaxModule(flaxside.remat_stack(Block, 4, lengths=(2, 2)),
+    m = FlaxModule(flaxside.remat_stack(ResidualMLPBlock, 4, lengths=(2, 2), width=8),
                    example_args=(torch.zeros(3, 8),)).to(TORCH)
     report = m.memory_report(torch.zeros(3, 8).to(TORCH))
     assert report.device == f"{RIGHT.platform}:{RIGHT.id}", report
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                     m.flax_variables())
-    pure = flaxside.memory_report(flaxside.remat_stack(Block, 4, lengths=(2, 2)),
+    pure = flaxside.memory_report(flaxside.remat_stack(ResidualMLPBlock, 4, lengths=(2, 2),
+                                                       width=8),
                                   jax.ShapeDtypeStruct((3, 8), np.float32), variables=shapes,
                                   device=RIGHT)
     assert (report.held_bytes, report.param_bytes, report.residual_count) == \

@@ -17,28 +17,17 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
+from tests.support.twins import ReadmeDeep  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 WIDTH, N, BATCH = 16, 32, 8
-
-
-class Residual(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(x))))
-
-
-class Deep(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.remat_scan(nn.remat(Residual), lengths=(2, 2))(name="stack")(x)
 
 
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(8, WIDTH),
-        FlaxModule(Deep(), example_args=(torch.zeros(2, WIDTH),)),
+        FlaxModule(ReadmeDeep(WIDTH), example_args=(torch.zeros(2, WIDTH),)),
         torch.nn.Linear(WIDTH, 1),
     )
 

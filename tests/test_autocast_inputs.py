@@ -6,6 +6,8 @@ dtype, inputs included: a scan whose carry is the residual stream would otherwis
 bf16 carry in and a float32 carry out.
 """
 
+import functools as ft
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,29 +15,19 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.twins import ReadmeBlock, ReadmeDeep
 from torchside import FlaxModule
 
 WIDTH = 16
 
 
-class Residual(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(x))))
-
-
-class RematScanStack(nn.Module):
-    """The README's ``Deep``, shorter."""
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.remat_scan(nn.remat(Residual), lengths=(2, 2))(name="stack")(x)
-
-
+# The README's block under nn.scan without remat. Not twins.ScanStack: its block computes
+# in an explicit float32, which would turn a bf16 carry into float32 whatever FlaxModule
+# does; this one computes in the carry's dtype, as the README's does.
 class Cell(nn.Module):
     @nn.compact
     def __call__(self, carry, _):
-        return Residual()(carry), None
+        return ReadmeBlock(WIDTH)(carry), None
 
 
 class ScanStack(nn.Module):
@@ -53,7 +45,8 @@ def _t(a):
     return torch.from_numpy(np.array(a))
 
 
-@pytest.mark.parametrize("block", [RematScanStack, ScanStack], ids=["remat_scan", "nn.scan"])
+@pytest.mark.parametrize("block", [ft.partial(ReadmeDeep, WIDTH), ScanStack],
+                         ids=["remat_scan", "nn.scan"])
 def test_bf16_activations_run_the_float32_stack_and_reach_every_gradient(block):
     trunk = FlaxModule(block(), example_args=(torch.zeros(2, WIDTH),))
     stem = torch.nn.Linear(8, WIDTH)

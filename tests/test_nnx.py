@@ -7,7 +7,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.support.twins import NnxDropoutMLP
+from tests.support.twins import NnxDropoutMLP, NnxResidualMLPBlock
 from torchside import FlaxModule
 
 
@@ -18,23 +18,17 @@ def _t(a):
 MLP = NnxDropoutMLP
 
 
-class Block(nnx.Module):
-    def __init__(self, width, rngs):
-        self.norm = nnx.LayerNorm(width, rngs=rngs)
-        self.fc = nnx.Linear(width, width, rngs=rngs)
-
-    def __call__(self, x):
-        return x + nnx.gelu(self.fc(self.norm(x)))
-
-
 class ScanRematStack(nnx.Module):
-    """Layers made with nnx.vmap + split_rngs; applied with nnx.scan over nnx.remat."""
+    """Layers made with nnx.vmap + split_rngs; applied with nnx.scan over nnx.remat.
+
+    The stack NNX users write by hand (``flaxside.remat_stack`` builds its own).
+    """
 
     def __init__(self, width, depth, rngs):
         @nnx.split_rngs(splits=depth)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(rngs):
-            return Block(width, rngs)
+            return NnxResidualMLPBlock(width, rngs=rngs)
 
         self.layers = make(rngs)
 
@@ -74,7 +68,7 @@ def test_names_are_attribute_paths_and_params_are_parameters():
 def test_scan_remat_stack_gradients_equal_nnx_grad():
     model = ScanRematStack(8, 6, nnx.Rngs(1))
     m = FlaxModule(model)
-    assert dict(m.named_parameters())["layers.fc.kernel"].shape == (6, 8, 8)
+    assert dict(m.named_parameters())["layers.fc1.kernel"].shape == (6, 8, 16)
     x = torch.randn(4, 8, requires_grad=True)
     ct = torch.randn(4, 8)
     y = m(x)

@@ -31,6 +31,10 @@ BF16 = tuple(f"{kind}-bf16" for kind in KINDS)  # sharded runs only
 
 
 class Block(nn.Module):
+    """``x + Dense(tanh(Dense(x)))`` with no dtype of its own: under FSDP2's bfloat16 policy
+    it computes in the gathered parameters' dtype, so its output feeds the next bfloat16
+    torch layer (the twins' blocks compute in an explicit float32)."""
+
     @nn.compact
     def __call__(self, x):
         h = nn.tanh(nn.Dense(8)(x))  # Dense_0

@@ -14,28 +14,14 @@ import warnings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import flax.linen as nn  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
+from tests.support.twins import ReadmeDeep  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 WIDTH, N, BATCH = 16, 32, 16
 DDP_EPOCHS = 2
-
-
-class Residual(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(x))))
-
-
-class Deep(nn.Module):
-    """The README's stack, short: a residual carry through ``remat_scan``."""
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.remat_scan(nn.remat(Residual), lengths=(2, 2))(name="stack")(x)
 
 
 class Lit(L.LightningModule):
@@ -44,7 +30,7 @@ class Lit(L.LightningModule):
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(
             torch.nn.Linear(8, WIDTH),
-            FlaxModule(Deep(), example_args=(torch.zeros(2, WIDTH),)),
+            FlaxModule(ReadmeDeep(WIDTH), example_args=(torch.zeros(2, WIDTH),)),
             torch.nn.Linear(WIDTH, 1),
         )
 

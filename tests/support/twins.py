@@ -91,6 +91,33 @@ class StockRematScanStack(nn.Module):
         return stack(self.width, self.dtype, name="stack")(x)
 
 
+class ReadmeBlock(nn.Module):
+    """The README's ``Block``: ``ResidualMLPBlock`` at Flax's defaults.
+
+    LayerNorm's epsilon 1e-6, gelu's tanh approximation, and the dtype of its input: the
+    block a user copies from the README, not the torch twin's math.
+    """
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm()(x))))
+
+
+class ReadmeDeep(nn.Module):
+    """The README's ``Deep``, shorter: ``nn.remat_scan(nn.remat(ReadmeBlock))`` of
+    ``prod(lengths)`` layers, every scan level rematerialized, parameters under ``stack``."""
+
+    width: int = 16
+    lengths: tuple[int, ...] = (2, 2)
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.remat_scan(nn.remat(ReadmeBlock), lengths=self.lengths)
+        return stack(self.width, name="stack")(x)
+
+
 class NnxResidualMLPBlock(nnx.Module):
     """The NNX twin of ``ResidualMLPBlock``."""
 
