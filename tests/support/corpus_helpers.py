@@ -1,6 +1,6 @@
 """Checks a wrapped module or function against pure JAX, and records what the corpus covers.
 
-The corpus tests (``tests/test_corpus_*.py``) reproduce the examples in the docstrings of
+The corpus tests (``tests/corpus/``) reproduce the examples in the docstrings of
 Flax's lifted transforms and ``jax.checkpoint``. Each runs the example once through the
 bridge and once as pure JAX on the same variables and inputs, and compares:
 
@@ -9,8 +9,8 @@ bridge and once as pure JAX on the same variables and inputs, and compares:
   cotangent (never ``.sum()`` alone, which hides transposes);
 * the state collections the bridge writes back after a training-mode forward.
 
-``covers`` tags a test with the rows it backs in README's coverage table;
-``tests/test_corpus_table.py`` renders the table from those tags and checks README against it.
+``covers`` tags a test with the rows it backs in the coverage table of ``docs/coverage.md``;
+``tests/corpus/test_table.py`` renders the table from those tags and checks that file.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ jtu = jax.tree_util
 RESULTS = ("works", "forward only", "error", "bridge bug")
 
 # Where the reference runs: None leaves it to JAX's default device; ``reference_on`` pins it
-# (tests/devices_cases.py, where JAX's default device is not the tensors').
+# (tests/devices/cases.py, where JAX's default device is not the tensors').
 _REFERENCE_DEVICE = None
 
 
@@ -49,7 +49,10 @@ def reference_on(device):
 # -- coverage tags ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One row of README's coverage table."""
+    """One row of the coverage table (``docs/coverage.md``).
+
+    ``test`` is the pytest node id of the test that backs it.
+    """
 
     transform: str
     option: str
@@ -59,7 +62,7 @@ class Row:
 
 
 def covers(transform: str, *options: str, result: str = "works", note: str = ""):
-    """Tags a test with the README rows it backs: one row per option.
+    """Tags a test with the coverage table's rows it backs: one row per option.
 
     ``result`` is what the test asserts: ``"works"`` (equal to pure JAX), ``"forward only"``
     (forward and state equal; a backward raises a clear error), ``"error"`` (a clear error,
@@ -71,7 +74,7 @@ def covers(transform: str, *options: str, result: str = "works", note: str = "")
     def tag(fn):
         rows = getattr(fn, "corpus_rows", ())
         fn.corpus_rows = rows + tuple(
-            Row(transform, o, result, note, f"{fn.__module__.rsplit('.', 1)[-1]}::{fn.__name__}")
+            Row(transform, o, result, note, f"{fn.__module__.replace('.', '/')}.py::{fn.__name__}")
             for o in options
         )
         return fn

@@ -1,11 +1,11 @@
 """One process of the DDP test: trains a model holding a FlaxModule on its shard of a batch.
 
-Run by tests/test_ddp.py as ``python tests/support/ddp_worker.py RANK WORLD PORT OUT``; with WORLD
-1 it trains on the full batch without torch.distributed (the reference). It trains a second
-model after the first: the same function and weights with the loss inside one FlaxModule
-(the scalar-loss route hands the gradients JAX computed in the forward to ``.grad``), under
-DDP with ``gradient_as_bucket_view=True`` (DDP replaces each ``.grad`` by a view of its
-bucket); its state goes to ``OUT.loss``.
+Run by tests/trainers/test_ddp.py as ``python tests/support/ddp_worker.py RANK WORLD PORT
+OUT``; with WORLD 1 it trains on the full batch without torch.distributed (the reference).
+It trains a second model after the first: the same function and weights with the loss inside
+one FlaxModule (the scalar-loss route hands the gradients JAX computed in the forward to
+``.grad``), under DDP with ``gradient_as_bucket_view=True`` (DDP replaces each ``.grad`` by
+a view of its bucket); its state goes to ``OUT.loss``.
 ``FLAXTORCH_TEST_DDP_BACKEND=nccl`` trains rank ``r`` on ``cuda:r`` as ``torchrun`` would
 (JAX's default device stays GPU 0 in every rank); ``FLAXTORCH_TEST_JAX_DEFAULT`` moves JAX's
 default device elsewhere (``tests/support/devices_env.py``).

@@ -1,14 +1,15 @@
 """One process of the FSDP2 test: ``fully_shard`` over a model that holds a FlaxModule.
 
-Run by tests/test_fsdp2.py as ``python tests/support/fsdp2_worker.py RANK WORLD PORT OUT``. Each
-process trains three models in turn, from the same initial weights: the pure-torch twin
-(the control), the model with the Flax block between torch layers, and the whole model and
-its loss in one FlaxModule (the scalar-loss route: its gradients are computed in the
-forward and handed to ``.grad`` in the backward, where FSDP2 reduce-scatters them). With
-WORLD 1 it trains them on the full batch without torch.distributed (the reference); rank 0
-saves the full (unsharded) state dicts, initial and final, to ``OUT.KIND.pt``. With two
-ranks it also trains the three under FSDP2's ``MixedPrecisionPolicy`` (bfloat16 parameters
-and compute, float32 reduction): kinds ``KIND-bf16``.
+Run by tests/trainers/test_fsdp2.py as ``python tests/support/fsdp2_worker.py RANK WORLD
+PORT OUT``. Each process trains three models in turn, from the same initial weights: the
+pure-torch twin (the control), the model with the Flax block between torch layers, and the
+whole model and its loss in one FlaxModule (the scalar-loss route: its gradients are
+computed in the forward and handed to ``.grad`` in the backward, where FSDP2 reduce-scatters
+them). With WORLD 1 it trains them on the full batch without torch.distributed (the
+reference); rank 0 saves the full (unsharded) state dicts, initial and final, to
+``OUT.KIND.pt``. With two ranks it also trains the three under FSDP2's
+``MixedPrecisionPolicy`` (bfloat16 parameters and compute, float32 reduction): kinds
+``KIND-bf16``.
 """
 
 import datetime

@@ -1,9 +1,9 @@
 """A LightningModule that holds a FlaxModule, its plain torch loop, and a DDP run.
 
-tests/test_lightning.py imports the definitions; it runs the two-rank strategies as
-``python tests/support/lightning_worker.py STRATEGY OUT`` (``ddp`` relaunches this script for rank
-1, ``ddp_spawn`` pickles the module into two spawned processes). Rank 0 saves the final
-state dict to OUT.
+tests/trainers/test_lightning.py imports the definitions; test_lightning_ddp.py beside it
+runs the two-rank strategies as ``python tests/support/lightning_worker.py STRATEGY OUT``
+(``ddp`` relaunches this script for rank 1, ``ddp_spawn`` pickles the module into two
+spawned processes). Rank 0 saves the final state dict to OUT.
 """
 
 import datetime

@@ -7,7 +7,7 @@ where it exists: ``owner.trace_count``, ``owner.cache_size``, ``owner.clear_cach
 ``owner.memory_report(...)``.
 
 A ``Program`` (``flaxside.internal``) is tested on its own in
-``tests/test_program.py``; the programs returned here are used through that API
+``tests/calls/test_program.py``; the programs returned here are used through that API
 (``trace_count``, ``diff_index``, ``residual_map()``, ``specs``, ``device``, ``fence``).
 """
 

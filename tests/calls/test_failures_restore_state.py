@@ -17,9 +17,8 @@ import pytest
 import torch
 from flax import nnx
 
+from tests.support import ROOT
 from torchside import FlaxModule
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _t(a):

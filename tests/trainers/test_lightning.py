@@ -1,7 +1,7 @@
 """Lightning over a model that holds a FlaxModule, each run against a plain torch loop.
 
 The LightningModule, data and plain loop live in tests/support/lightning_worker.py; the two-rank
-strategies are in tests/test_lightning_ddp.py.
+strategies are in tests/trainers/test_lightning_ddp.py.
 """
 
 import pytest

@@ -8,20 +8,17 @@ to the finalizing main thread most of the time (``examples/exit_aborts.py`` coun
 often, with the exit handler and without it).
 """
 
-import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import jax
 import pytest
 import torch
 
 from bridge import _imports
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import subprocess_env
 
 SCRIPT = """
 import os, sys
@@ -38,8 +35,7 @@ y.backward(torch.randn_like(y))
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_exit_right_after_a_backward_on_the_dlpack_route_does_not_abort(device):
-    env = {**os.environ, "FLAXTORCH_EXCHANGE": "dlpack",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env({"FLAXTORCH_EXCHANGE": "dlpack"})
     for attempt in range(4):
         run = subprocess.run([sys.executable, "-c", SCRIPT.format(device=device)], env=env,
                              capture_output=True, text=True, timeout=240)

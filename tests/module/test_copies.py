@@ -7,11 +7,9 @@ copy's own variables, and against the original trained the same way.
 
 import copy
 import io
-import os
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from tests.support import subprocess_env
 from torchside import FlaxModule
 
 
@@ -156,9 +155,7 @@ def test_a_saved_module_gives_the_same_outputs_in_a_fresh_process(tmp_path):
         expected = model(x)
     torch.save(model, tmp_path / "model.pt")
     torch.save(x, tmp_path / "x.pt")
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env()  # the pickle names Net by its module, tests.module.test_copies
     script = (
         "import sys, torch\n"
         "d = sys.argv[1]\n"

@@ -7,7 +7,7 @@ Every cell runs ``assert_matches``: outputs, the input gradient and every parame
 pulled back through the weight mapping onto the stacked Flax names.
 
 Run as a script to print the matrix as a table (max relative error per cell) and the
-held-bytes comparison:  PYTHONPATH=. python tests/test_parity_matrix.py
+held-bytes comparison:  python -m tests.parity.test_matrix
 """
 
 from __future__ import annotations

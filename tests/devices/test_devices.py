@@ -2,16 +2,14 @@
 
 The cases themselves (FlaxModule Linen/NNX in train and eval with buffers and dropout,
 jax_function, remat_stack, residuals="recompute", torch.compile and memory_report) live in
-``tests/devices_cases.py``; here they run in a subprocess with two host devices and JAX's
+``tests/devices/cases.py``; here they run in a subprocess with two host devices and JAX's
 default device set to the one the tensors are not on, on both exchange routes. The rest
 of this file checks the device table and tensors on devices JAX cannot share memory with.
 """
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import flax.linen as nn
@@ -20,22 +18,20 @@ import torch
 
 import bridge
 from bridge import _devices
+from tests.support import ROOT, subprocess_env
 from torchside import FlaxModule, jax_function
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("exchange", ["auto", "dlpack"])
 def test_every_case_on_two_host_devices_with_the_default_elsewhere(exchange, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:1", "FLAXTORCH_TEST_TORCH_DEVICE": "cpu",
-           "FLAXTORCH_EXCHANGE": exchange,
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = subprocess_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                          "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:1",
+                          "FLAXTORCH_TEST_TORCH_DEVICE": "cpu", "FLAXTORCH_EXCHANGE": exchange})
     log = tmp_path / "cases.log"
     with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the child
         code = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-             str(ROOT / "tests" / "devices_cases.py")],
+             str(ROOT / "tests" / "devices" / "cases.py")],
             cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=600).returncode
     out = log.read_text()
     assert code == 0, out[-6000:]
