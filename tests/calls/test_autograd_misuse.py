@@ -1,43 +1,31 @@
-"""Hostile autograd use: backward twice, double backward, aliasing, NaN/Inf, anomaly mode.
+"""Autograd used in ways that could give silent wrong gradients, and what happens instead.
 
-Already covered elsewhere (not repeated here): an in-place write to a parameter under
-no_grad between forward and backward (test_module.py::
+Backward twice, double backward (``create_graph``), ``torch.func`` transforms, in-place
+writes between forward and backward (to outputs, inputs, or parameters by an optimizer
+step), the same tensor passed twice, and state written back by the forward. NaN and Inf:
+calls/test_nan_inf.py. Also elsewhere: an in-place write to a parameter under no_grad
+between forward and backward (module/test_module.py::
 test_saved_tensor_hooks_see_residuals_and_inplace_write_is_caught), an output that is an
-input unchanged never aliases it (test_module.py::test_output_never_aliases_input).
+input unchanged never aliases it (module/test_module.py::test_output_never_aliases_input).
 """
 
-import inspect
-import warnings
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 from flax import nnx
 
 from tests.support import pipeline
-from tests.support.twins import ResidualMLPBlock
+from tests.support.references import to_jax, to_torch
+from tests.support.twins import (
+    BatchNormMLP,
+    NnxDropoutMLP,
+    ResidualMLPBlock,
+    residual_block_module,
+)
 from torchside import FlaxModule, jax_function
 
 MODES = pytest.mark.parametrize("residuals", ["save", "recompute"])
-
-
-def _t(a):
-    return torch.from_numpy(np.array(a))
-
-
-def _j(t):
-    return jnp.asarray(t.detach().numpy())
-
-
-def _block(**kwargs):
-    return FlaxModule(ResidualMLPBlock(8), example_args=(torch.zeros(2, 8),), **kwargs)
-
-
-def _params(m):
-    return [p for _, p in m.named_parameters()]
 
 
 # -- backward twice and double backward -------------------------------------------------
@@ -45,14 +33,14 @@ def _params(m):
 
 @MODES
 def test_backward_twice_gives_torchs_error_and_retain_graph_accumulates(residuals):
-    m = _block(residuals=residuals)
+    m = residual_block_module(residuals=residuals)
     x = torch.randn(3, 8, requires_grad=True)
     ct = torch.randn(3, 8)
     y = m(x)
     y.backward(ct, retain_graph=True)
-    once = [x.grad.clone()] + [p.grad.clone() for p in _params(m)]
+    once = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
     y.backward(ct)
-    for a, b in zip(once, [x.grad] + [p.grad for p in _params(m)], strict=True):
+    for a, b in zip(once, [x.grad] + [p.grad for p in m.parameters()], strict=True):
         torch.testing.assert_close(b, 2 * a)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.backward(ct)
@@ -63,20 +51,21 @@ def test_backward_twice_gives_torchs_error_and_retain_graph_accumulates(residual
 def test_create_graph_raises_instead_of_a_silent_zero_second_derivative(residuals, wrt):
     """torch's once_differentiable returns plain tensors when the cotangent needs no grad:
     a gradient penalty on them would add nothing to the loss's gradient, silently."""
-    m = _block(residuals=residuals)
+    m = residual_block_module(residuals=residuals)
     x = torch.randn(4, 8, requires_grad=True)
     ct = torch.randn(4, 8)
     y = m(x)
     with pytest.raises(NotImplementedError, match=r"FlaxModule\(ResidualMLPBlock\): backward "
                        r"with create_graph=True.*not implemented.*jax\.grad"):
-        torch.autograd.grad(y, [x] if wrt == "input" else _params(m), ct, create_graph=True)
+        torch.autograd.grad(y, [x] if wrt == "input" else list(m.parameters()), ct,
+                            create_graph=True)
     # The refusal leaves the graph and the module usable: a plain backward is right.
     y.backward(ct)
-    _, vjp = jax.vjp(ResidualMLPBlock(8).apply, m.flax_variables(), _j(x))
-    gv, gx = vjp(_j(ct))
-    torch.testing.assert_close(x.grad, _t(gx))
-    for p, g in zip(_params(m), jax.tree_util.tree_leaves(gv), strict=True):
-        torch.testing.assert_close(p.grad, _t(g))
+    _, vjp = jax.vjp(ResidualMLPBlock(8).apply, m.flax_variables(), to_jax(x))
+    gv, gx = vjp(to_jax(ct))
+    torch.testing.assert_close(x.grad, to_torch(gx))
+    for p, g in zip(list(m.parameters()), jax.tree_util.tree_leaves(gv), strict=True):
+        torch.testing.assert_close(p.grad, to_torch(g))
 
 
 def test_create_graph_with_a_cotangent_that_requires_grad_raises():
@@ -119,15 +108,15 @@ def test_inplace_write_to_an_output_the_backward_needs_raises(residuals):
 
 
 def test_inplace_write_to_an_output_the_backward_does_not_need_keeps_gradients_right():
-    m = _block()
+    m = residual_block_module()
     x = torch.randn(3, 8, requires_grad=True)
     ct = torch.randn(3, 8)
     y = m(x)
     assert pipeline.residual_map(m).saved_outputs == ()
     y.mul_(3.0)
     y.backward(ct)
-    _, vjp = jax.vjp(ResidualMLPBlock(8).apply, m.flax_variables(), _j(x))
-    torch.testing.assert_close(x.grad, _t(vjp(_j(3.0 * ct))[1]))
+    _, vjp = jax.vjp(ResidualMLPBlock(8).apply, m.flax_variables(), to_jax(x))
+    torch.testing.assert_close(x.grad, to_torch(vjp(to_jax(3.0 * ct))[1]))
 
 
 @MODES
@@ -153,7 +142,7 @@ def test_inplace_write_to_an_input_the_backward_needs_raises(residuals, x_grad):
     ids=["sgd-for-loop", "sgd-foreach", "adamw-foreach"],
 )
 def test_optimizer_step_between_forward_and_backward_raises(make_opt):
-    m = _block()
+    m = residual_block_module()
     opt = make_opt(m.parameters())
     x = torch.randn(3, 8, requires_grad=True)
     m(x).backward(torch.randn(3, 8))
@@ -167,7 +156,7 @@ def test_optimizer_step_between_forward_and_backward_raises(make_opt):
     "torch's fused optimizers (fused=True) update parameters without bumping their version "
     "counters (torch 2.13), so torch's own modules miss this too; no cheap check exists"))
 def test_fused_optimizer_step_between_forward_and_backward_is_not_detected():
-    m = _block()
+    m = residual_block_module()
     opt = torch.optim.Adam(m.parameters(), lr=0.1, fused=True)
     x = torch.randn(3, 8, requires_grad=True)
     m(x).backward(torch.randn(3, 8))
@@ -201,96 +190,15 @@ def test_same_tensor_passed_twice_sums_both_gradients(residuals):
     torch.testing.assert_close(x.grad, ct * (torch.sin(xd) + xd * torch.cos(xd)))
 
 
-# -- NaN and Inf ------------------------------------------------------------------------
-
-
-def _nasty(x, w):
-    return jnp.log(x) * w, w / x, jnp.sum(jnp.exp(w))
-
-
-SPECIALS = [0.0, -1.0, np.inf, -np.inf, np.nan, 2.0, 1e-30, 3.0]
-
-
-@MODES
-def test_nan_and_inf_propagate_exactly_as_in_jax(residuals):
-    f = jax_function(_nasty, residuals=residuals)
-    x = torch.tensor(SPECIALS, requires_grad=True)
-    w = torch.randn(8, requires_grad=True)
-    ct = (torch.randn(8), torch.randn(8), torch.randn(()))
-    out = f(x, w)
-    torch.autograd.backward(out, ct)
-    ref, vjp = jax.vjp(_nasty, _j(x), _j(w))
-    gx, gw = vjp(tuple(_j(c) for c in ct))
-    for got, want in zip(out + (x.grad, w.grad), ref + (gx, gw), strict=True):
-        want = _t(want)
-        assert torch.equal(torch.isnan(got), torch.isnan(want))
-        assert torch.equal(torch.isposinf(got), torch.isposinf(want))
-        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
-        torch.testing.assert_close(got.detach(), want, equal_nan=True)
-    for t in (out[0], out[1], x.grad, w.grad):  # the case is exercised
-        assert torch.isnan(t).any() and torch.isinf(t).any() and torch.isfinite(t).any()
-
-
-def test_nan_and_inf_rows_through_a_flax_block_match_jax():
-    m = _block()
-    x = torch.randn(4, 8)
-    x[1, 3], x[2, 5] = float("nan"), float("inf")
-    x.requires_grad_()
-    ct = torch.randn(4, 8)
-    y = m(x)
-    y.backward(ct)
-    ref, vjp = jax.vjp(ResidualMLPBlock(8).apply, m.flax_variables(), _j(x))
-    gv, gx = vjp(_j(ct))
-    torch.testing.assert_close(y.detach(), _t(ref), equal_nan=True)
-    torch.testing.assert_close(x.grad, _t(gx), equal_nan=True)
-    for p, g in zip(_params(m), jax.tree_util.tree_leaves(gv), strict=True):
-        torch.testing.assert_close(p.grad, _t(g), equal_nan=True)
-    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
-
-
-def test_detect_anomaly_names_our_backward_and_points_at_the_call():
-    f = jax_function(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.0))
-    x = torch.tensor([-1.0, 4.0], requires_grad=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with torch.autograd.detect_anomaly():
-            y = f(x)  # the line the anomaly report must show
-            line = inspect.currentframe().f_lineno - 1
-            with pytest.raises(RuntimeError, match="'BridgeFunctionBackward' returned nan"):
-                y.backward(torch.tensor([0.5, 2.0]))
-    reports = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
-    assert len(reports) == 1
-    assert "Error detected in BridgeFunctionBackward" in reports[0]
-    assert f'File "{__file__}", line {line}' in reports[0] and "y = f(x)" in reports[0]
-    x.grad = None
-    f(x).backward(torch.tensor([0.5, 2.0]))  # outside anomaly mode: NaN, as jax.grad gives
-    gx = jax.grad(lambda v: jnp.sum(jnp.where(v > 0, jnp.sqrt(v), 0.0) * jnp.array([0.5, 2.0])))
-    torch.testing.assert_close(x.grad, _t(gx(_j(x))), equal_nan=True)
-
-
-class _BatchNormNet(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=True):
-        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(6)(x))
-        return nn.Dense(3)(jnp.tanh(h))
-
-
-class _DropoutNet(nnx.Module):
-    def __init__(self, rngs):
-        self.fc = nnx.Linear(5, 6, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-        self.out = nnx.Linear(6, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.drop(jnp.tanh(self.fc(x))))
+# -- state written back by the forward --------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda mode: FlaxModule(_BatchNormNet(), example_args=(torch.zeros(4, 5),),
+        lambda mode: FlaxModule(BatchNormMLP(), example_args=(torch.zeros(4, 5),),
                                 train_kwarg="train", residuals=mode),
-        lambda mode: FlaxModule(_DropoutNet(nnx.Rngs(0, dropout=1)), residuals=mode),
+        lambda mode: FlaxModule(NnxDropoutMLP(nnx.Rngs(0, dropout=1)), residuals=mode),
     ],
     ids=["linen-batchnorm", "nnx-dropout-count"],
 )
@@ -304,7 +212,7 @@ def test_buffers_written_back_after_forward_do_not_break_the_backward(make):
         ct = torch.randn(4, 3, generator=torch.Generator().manual_seed(4))
         y = m(x)
         y.backward(ct)
-        results[mode] = [y.detach(), x.grad] + [p.grad for p in _params(m)] + list(
+        results[mode] = [y.detach(), x.grad] + [p.grad for p in m.parameters()] + list(
             m.buffers())
     for a, b in zip(results["save"], results["recompute"], strict=True):
         torch.testing.assert_close(b, a)

@@ -1,13 +1,15 @@
-"""NNX forwards that change the graph, create state, or draw stacked stream keys (issue 14).
+"""NNX forwards that change the module: its graph, or the state it holds.
 
-References are pure NNX: the module called eagerly, under ``nnx.jit``, and differentiated
-with ``nnx.value_and_grad`` (which propagates graph changes as ``nnx.jit`` does).
+A forward that changes a Python attribute (the next call takes another branch) propagates
+like pure NNX, eagerly, under ``nnx.jit`` and under ``nnx.value_and_grad``; each call's
+graph lives as long as the module and its cached signatures. A forward that creates state
+is refused, naming the path, and writes nothing. Also: a Param assigned or created in the
+forward (module/test_nnx.py); stream keys (module/test_nnx_rng_streams.py).
 """
 
 import gc
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,33 +17,10 @@ import torch
 from flax import nnx
 
 from flaxside.internal import Graph
-from tests.support.docstring_models import Model  # the flax.nnx.scan docstring model
+from tests.support.references import nnx_step, to_jax, to_torch
 from torchside import FlaxModule
 
 MODES = ["save", "recompute"]
-
-
-def _j(t):
-    return jnp.asarray(t.detach().numpy())
-
-
-def _t(a):
-    return torch.from_numpy(np.array(a))
-
-
-def _grads_by_name(state) -> dict:
-    return {".".join(str(k) for k in path): v.get_value()
-            for path, v in nnx.to_flat_state(state)}
-
-
-def _pure_step(module, x, ct):
-    """Output and gradients (Params, x) of ``sum(module(x) * ct)`` in pure NNX."""
-    def loss(m, x):
-        y = m(x)
-        return jnp.sum(y * ct), y
-
-    (_, y), (g_m, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x)
-    return y, _grads_by_name(g_m), g_x
 
 
 # -- a forward that changes a Python attribute ----------------------------------------
@@ -71,13 +50,14 @@ def test_graph_change_propagates_like_pure_nnx(residuals, train):
         m.zero_grad()
         y = m(x)
         y.backward(ct)
-        want_y, want_g, want_gx = _pure_step(diffed, _j(x), _j(ct))
-        np.testing.assert_allclose(np.asarray(eager(_j(x))), np.asarray(want_y), rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(step(jitted, _j(x))), np.asarray(want_y), rtol=1e-6)
+        want_y, want_g, want_gx = nnx_step(diffed, to_jax(x), to_jax(ct))
+        np.testing.assert_allclose(np.asarray(eager(to_jax(x))), np.asarray(want_y), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(step(jitted, to_jax(x))), np.asarray(want_y),
+                                   rtol=1e-6)
         msg = f"call {call}"
-        torch.testing.assert_close(y.detach(), _t(want_y), msg=msg)
-        torch.testing.assert_close(x.grad, _t(want_gx), msg=msg)
-        torch.testing.assert_close(m.get_parameter("w").grad, _t(want_g["w"]), msg=msg)
+        torch.testing.assert_close(y.detach(), to_torch(want_y), msg=msg)
+        torch.testing.assert_close(x.grad, to_torch(want_gx), msg=msg)
+        torch.testing.assert_close(m.get_parameter("w").grad, to_torch(want_g["w"]), msg=msg)
     assert eager.next_index == jitted.next_index == diffed.next_index == 1
 
 
@@ -90,9 +70,9 @@ def test_two_forwards_then_one_backward_keep_each_graph(residuals):
     torch.autograd.backward(ys, cts)
     ref = Switcher()
     for k, (x, ct) in enumerate(zip(xs, cts, strict=True)):
-        want_y, _, want_gx = _pure_step(ref, _j(x), _j(ct))
-        torch.testing.assert_close(ys[k].detach(), _t(want_y), msg=f"forward {k}")
-        torch.testing.assert_close(x.grad, _t(want_gx), msg=f"forward {k}")
+        want_y, _, want_gx = nnx_step(ref, to_jax(x), to_jax(ct))
+        torch.testing.assert_close(ys[k].detach(), to_torch(want_y), msg=f"forward {k}")
+        torch.testing.assert_close(x.grad, to_torch(want_gx), msg=f"forward {k}")
 
 
 class Counter(nnx.Module):
@@ -116,9 +96,9 @@ def test_graphs_live_only_as_long_as_the_module_and_its_cached_signatures():
         x = torch.randn(2, requires_grad=True)
         y = m(x)
         y.sum().backward()
-        want_y, _, want_gx = _pure_step(ref, _j(x), jnp.ones(2))
-        torch.testing.assert_close(y.detach(), _t(want_y), msg=f"call {call}")
-        torch.testing.assert_close(x.grad, _t(want_gx), msg=f"call {call}")
+        want_y, _, want_gx = nnx_step(ref, to_jax(x), jnp.ones(2))
+        torch.testing.assert_close(y.detach(), to_torch(want_y), msg=f"call {call}")
+        torch.testing.assert_close(x.grad, to_torch(want_gx), msg=f"call {call}")
     assert m.flax_module.calls == ref.calls == 8
     gc.collect()
     graphs = [o for o in gc.get_objects() if type(o) is Graph]
@@ -169,57 +149,3 @@ def test_state_creation_is_refused_naming_the_path_and_nothing_is_written(what, 
     assert before.keys() == after.keys()
     for name in before:
         assert torch.equal(before[name], after[name]), name
-
-
-# -- stacked stream keys (nnx.split_rngs + nnx.vmap, applied in nnx.scan) ----------------
-def _stacked():
-    return Model(3, 4, rngs=nnx.Rngs(params=0, dropout=1))
-
-
-def test_stacked_stream_keys_keep_their_shape_and_match_pure_nnx():
-    m = FlaxModule(_stacked(), rngs=("dropout",))
-    key_before = m.get_buffer("blocks.dropout.rngs.key").clone()
-    x = torch.randn(5, 4, requires_grad=True)
-    ct = torch.randn(5, 4)
-    torch.manual_seed(3)
-    y = m(x)
-    y.backward(ct)
-    drawn = m.get_buffer("blocks.dropout.rngs.key")  # the keys the forward ran with
-    assert drawn.shape == key_before.shape == (3, 2)  # one key per layer
-    assert not torch.equal(drawn, key_before)
-    # Pure NNX from the state before the call, with the per-layer keys the bridge drew.
-    ref = _stacked()
-    ref.blocks.dropout.rngs.key.set_value(jax.random.wrap_key_data(
-        jnp.asarray(drawn.numpy().view(np.uint32))))
-    want_y, want_g, want_gx = _pure_step(ref, _j(x), _j(ct))
-    torch.testing.assert_close(y.detach(), _t(want_y))
-    torch.testing.assert_close(x.grad, _t(want_gx))
-    for name, p in m.named_parameters():
-        torch.testing.assert_close(p.grad, _t(want_g[name]), msg=name)
-    np.testing.assert_array_equal(m.get_buffer("blocks.dropout.rngs.count").numpy(),
-                                  np.asarray(ref.blocks.dropout.rngs.count.get_value()))
-
-
-def test_stacked_stream_keys_follow_the_torch_seed():
-    m = FlaxModule(_stacked(), rngs=("dropout",))
-    x = torch.randn(5, 4)
-    outs = []
-    for seed in (3, 3, 4):
-        torch.manual_seed(seed)
-        outs.append(m(x))
-    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
-    assert not torch.equal(outs[0], m.eval()(x))  # dropout was active
-
-
-# -- a requested stream the module does not have ---------------------------------------
-def test_a_stream_no_key_belongs_to_is_refused():
-    # nnx.Rngs(0) tags every key 'default': rngs=("dropout",) would draw nothing.
-    with pytest.raises(ValueError, match=r"stream 'dropout'.*its streams: \['default'\]"):
-        FlaxModule(Model(3, 4, rngs=nnx.Rngs(0)), rngs=("dropout",))
-    m = FlaxModule(Model(3, 4, rngs=nnx.Rngs(0)), rngs=("default",))  # the fix it gives
-    x = torch.randn(5, 4)
-    outs = []
-    for seed in (3, 3, 4):
-        torch.manual_seed(seed)
-        outs.append(m(x))
-    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])

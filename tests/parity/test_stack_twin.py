@@ -1,4 +1,9 @@
-"""A remat-scanned residual MLP through FlaxModule against jax.vjp and a checkpointed torch twin."""
+"""A remat-scanned residual MLP through FlaxModule against jax.vjp and a checkpointed torch twin.
+
+The stacks are Flax's own lifts (``nn.remat_scan``, ``nn.scan`` over ``nn.remat``) and
+``flaxside.remat_stack``; the twin is the same torch blocks under
+``torch.utils.checkpoint``. The parity matrix (parity/test_matrix.py) covers more twins.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +12,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.support.twins import RematScanStack, ScanRematStack, ScanStack, torch_stack_from_flax
+import flaxside
+from tests.support.twins import (
+    RematScanStack,
+    ResidualMLPBlock,
+    ScanRematStack,
+    ScanStack,
+    torch_stack_from_flax,
+)
 from torchside import FlaxModule
 
 WIDTH, BATCH = 8, 5
@@ -120,3 +132,37 @@ def test_deep_remat_scan_holds_under_two_percent_of_parameter_bytes():
     # Without remat the same depth holds every layer's activations: a real comparison.
     plain_held, _ = _held_bytes(FlaxModule(ScanStack(64, 64), example_args=(x,)), x)
     assert plain_held > 10 * held
+
+
+def test_flax_module_of_a_stack_matches_the_torch_twin():
+    """FlaxModule(remat_stack) trains like the torch blocks (under torch's checkpoint)."""
+    batch = 4
+    stack = flaxside.remat_stack(ResidualMLPBlock, 6, lengths=(2, 3), width=WIDTH)
+    variables = jax.jit(stack.init)(jax.random.key(0), jnp.zeros((batch, WIDTH)))
+    layer = FlaxModule(stack, variables=variables)
+    blocks = torch_stack_from_flax(variables["params"], WIDTH)
+    x = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(0))
+    ct = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(1))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = layer(x1)
+    y2 = x2
+    for block in blocks:
+        y2 = checkpoint(block, y2, use_reentrant=False)
+    y1.backward(ct)
+    y2.backward(ct)
+    # Cross-library, here and below: atol scales with max|twin tensor| (see _twin_tols).
+    torch.testing.assert_close(y1, y2, **_twin_tols(torch.float32, y2))
+    torch.testing.assert_close(x1.grad, x2.grad, **_twin_tols(torch.float32, x2.grad))
+    twin = {
+        "Dense_0.kernel": lambda b: b.fc1.weight.grad.T,
+        "Dense_0.bias": lambda b: b.fc1.bias.grad,
+        "Dense_1.kernel": lambda b: b.fc2.weight.grad.T,
+        "Dense_1.bias": lambda b: b.fc2.bias.grad,
+        "LayerNorm_0.scale": lambda b: b.norm.weight.grad,
+        "LayerNorm_0.bias": lambda b: b.norm.bias.grad,
+    }
+    for name, p in layer.named_parameters():
+        per_layer = torch.stack([twin[name.removeprefix("params.")](b) for b in blocks])
+        # Cross-library: atol scales with max|twin gradient| (see _twin_tols).
+        torch.testing.assert_close(p.grad, per_layer.reshape(p.shape), msg=name,
+                                   **_twin_tols(torch.float32, per_layer))

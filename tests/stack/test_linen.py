@@ -1,7 +1,11 @@
-"""remat_stack (Linen and NNX): values and gradients, layout, policies, memory, errors."""
+"""remat_stack of Linen blocks: values and gradients, layout, policies, RNG streams, errors.
+
+Every stack is compared with the same blocks unrolled in a Python loop (float64, so that
+only a wrong layer order or a lost gradient shows). NNX blocks: stack/test_nnx.py; held
+memory and program size: stack/test_memory.py; lengths="auto": stack/test_auto_lengths.py.
+"""
 
 import functools
-import math
 
 import flax
 import flax.linen as nn
@@ -14,7 +18,6 @@ import flaxside
 from tests.support.stacks import (
     LENGTH_IDS,
     LENGTHS,
-    B,
     W,
     assert_close,
     data,
@@ -28,7 +31,6 @@ from tests.support.twins import (
     RematScanStack,
     ResidualMLPBlock,
     ScanRematStack,
-    ScanStack,
 )
 
 jtu = jax.tree_util
@@ -125,63 +127,6 @@ def test_instance_block_and_rng_streams():
     got = jit_vjp(lambda p, x: run(p, x, 2))(variables["params"], x, ct)
     assert_close(got, jit_vjp(unrolled)(variables["params"], x, ct))
     assert not np.allclose(got[0], jax.jit(run, static_argnums=2)(variables["params"], x, 3))
-
-
-def _carry_bytes():
-    return B * W * 4
-
-
-@pytest.mark.parametrize("lengths", [(16,), (2, 2, 4)], ids=["one_level", "three_levels"])
-def test_forward_holds_only_the_outer_carries(lengths):
-    """Two levels: see test_held_memory_and_program_size_per_depth."""
-    x = jax.ShapeDtypeStruct((B, W), jnp.float32)
-    report = flaxside.memory_report(flaxside.remat_stack(ResidualMLPBlock, 16, lengths=lengths,
-                                                         width=W), x)
-    assert report.held_bytes == lengths[0] * _carry_bytes()
-
-
-def test_innermost_layers_are_checkpointed_too():
-    """Inside the backward of an outer step, layers keep their input only, not internals.
-
-    ``nn.remat_scan(Block)`` keeps the internals of its innermost loop's layers; saving
-    everything here is what that would cost.
-    """
-    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-
-    def backward_temp(policy):
-        stack = flaxside.remat_stack(ResidualMLPBlock, 16, lengths=(4, 4), width=16,
-                                     policy=policy)
-        return flaxside.memory_report(stack, x).backward_temp_bytes
-
-    assert backward_temp(None) < backward_temp("everything_saveable")
-
-
-def _program_lines(module, x) -> int:
-    """Lines of the lowered (StableHLO) training step: what XLA has to compile."""
-    variables = jax.eval_shape(module.init, jax.random.key(0), x)
-    grad = jax.jit(jax.grad(lambda v, x: jnp.vdot(module.apply(v, x), x), argnums=(0, 1)))
-    return len(grad.lower(variables, x).as_text().splitlines())
-
-
-def test_held_memory_and_program_size_per_depth():
-    x = jax.ShapeDtypeStruct((B, W), jnp.float32)
-    held, scan_held, lines = {}, {}, {}
-    for depth in (16, 64, 256):
-        a = math.isqrt(depth)
-        stack = flaxside.remat_stack(ResidualMLPBlock, depth, lengths=(a, a), width=W)
-        report = flaxside.memory_report(stack, x)
-        held[depth] = report.held_bytes
-        assert held[depth] == a * _carry_bytes()  # the outer level keeps its a carries
-        scan_held[depth] = flaxside.memory_report(ScanStack(W, depth), x).held_bytes
-        lines[depth] = _program_lines(stack, x)
-        print(f"depth {depth}: held {held[depth]} B (scan without remat {scan_held[depth]} B), "
-              f"compile {report.compile_seconds:.2f} s, {lines[depth]} lines of StableHLO")
-    for small, big in ((16, 64), (64, 256)):
-        assert held[big] <= 2.5 * held[small]
-        assert scan_held[big] >= 3.5 * scan_held[small]
-    # Compile time follows program size, which must not grow with depth (timings are not
-    # asserted here: see examples/stack_speed.py and the printed compile seconds).
-    assert lines[256] <= 1.1 * lines[16]
 
 
 @pytest.mark.parametrize(

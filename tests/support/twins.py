@@ -1,4 +1,9 @@
-"""Flax modules and torch modules with identical math, for parity tests and benchmarks."""
+"""Flax modules and torch modules with identical math, for parity tests and benchmarks.
+
+Also the small Flax models several test files share (the README's ``Deep``, a BatchNorm
+MLP, an NNX MLP with state of every kind), so that a test defines a model of its own only
+where it needs something these lack, and says what.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flax import nnx
+
+from torchside import FlaxModule
 
 
 class ResidualMLPBlock(nn.Module):
@@ -118,6 +125,16 @@ class ReadmeDeep(nn.Module):
         return stack(self.width, name="stack")(x)
 
 
+class BatchNormMLP(nn.Module):
+    """``Dense(6) -> BatchNorm -> tanh -> Dense(3)``: Linen state (batch statistics) that a
+    train-mode call updates and FlaxModule writes back into torch buffers."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(6)(x))
+        return nn.Dense(3)(jnp.tanh(h))
+
+
 class NnxResidualMLPBlock(nnx.Module):
     """The NNX twin of ``ResidualMLPBlock``."""
 
@@ -157,6 +174,11 @@ class TorchResidualMLPBlock(torch.nn.Module):
 
     def forward(self, x):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def residual_block_module(width: int = 8, **options) -> FlaxModule:
+    """``FlaxModule(ResidualMLPBlock(width))``, initialized for inputs ``(batch, width)``."""
+    return FlaxModule(ResidualMLPBlock(width), example_args=(torch.zeros(2, width),), **options)
 
 
 def _t(a) -> torch.Tensor:
