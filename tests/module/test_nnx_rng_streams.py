@@ -47,15 +47,21 @@ def test_stacked_stream_keys_keep_their_shape_and_match_pure_nnx():
                                   np.asarray(ref.blocks.dropout.rngs.count.get_value()))
 
 
-def test_stacked_stream_keys_follow_the_torch_seed():
-    m = FlaxModule(_stacked(), rngs=("dropout",))
-    x = torch.randn(5, 4)
+def _assert_follows_the_torch_seed(m, x):
+    """The same seed draws the same keys, another seed other keys; the seed-3 output."""
     outs = []
     for seed in (3, 3, 4):
         torch.manual_seed(seed)
         outs.append(m(x))
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
-    assert not torch.equal(outs[0], m.eval()(x))  # dropout was active
+    return outs[0]
+
+
+def test_stacked_stream_keys_follow_the_torch_seed():
+    m = FlaxModule(_stacked(), rngs=("dropout",))
+    x = torch.randn(5, 4)
+    y = _assert_follows_the_torch_seed(m, x)
+    assert not torch.equal(y, m.eval()(x))  # dropout was active
 
 
 # -- a requested stream the module does not have ---------------------------------------
@@ -64,9 +70,4 @@ def test_a_stream_no_key_belongs_to_is_refused():
     with pytest.raises(ValueError, match=r"stream 'dropout'.*its streams: \['default'\]"):
         FlaxModule(Model(3, 4, rngs=nnx.Rngs(0)), rngs=("dropout",))
     m = FlaxModule(Model(3, 4, rngs=nnx.Rngs(0)), rngs=("default",))  # the fix it gives
-    x = torch.randn(5, 4)
-    outs = []
-    for seed in (3, 3, 4):
-        torch.manual_seed(seed)
-        outs.append(m(x))
-    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    _assert_follows_the_torch_seed(m, torch.randn(5, 4))
