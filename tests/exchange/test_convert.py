@@ -1,3 +1,5 @@
+"""bridge.to_jax / to_torch: exact zero-copy round trips per dtype, layouts, trees, refusals."""
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes

@@ -1,4 +1,7 @@
-"""torchside.parity itself: the mapping rules, the comparison, its messages and tolerances."""
+"""torchside.parity.copy_weights: a rule per torch module type, stacked layers, its errors.
+
+The comparison itself (assert_matches, compare): parity/test_assert_matches.py.
+"""
 
 from __future__ import annotations
 
