@@ -1,0 +1,1 @@
+"""flaxtorch's tests, one folder per concern; code they share is in ``tests/support``."""

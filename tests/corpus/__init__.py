@@ -1,0 +1,1 @@
+"""The docstring examples of lifted transforms, run through the bridge; docs/coverage.md."""

@@ -1,0 +1,1 @@
+"""Devices: programs run where the tensors are; the device table; CUDA."""

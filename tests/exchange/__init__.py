@@ -1,0 +1,1 @@
+"""Arrays crossing between torch and JAX: conversions, held arrays, ordering, lifetimes."""

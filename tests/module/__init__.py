@@ -1,0 +1,1 @@
+"""FlaxModule as a torch.nn.Module: variables, state, RNG, NNX, dtypes, copies."""

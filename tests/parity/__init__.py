@@ -1,0 +1,1 @@
+"""torchside.parity and parity against torch twins."""

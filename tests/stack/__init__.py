@@ -1,0 +1,1 @@
+"""flaxside.remat_stack: values and gradients, layout, memory, lengths="auto"."""

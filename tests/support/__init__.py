@@ -1,0 +1,29 @@
+"""Code the tests share; pytest collects nothing here (no file starts with ``test_``).
+
+* ``twins``, ``twins_parity``: Flax modules with torch twins of the same math, the models
+  several test files share, and the parity suite's registry of twins;
+* ``references``: conversions to compare with pure JAX, and a pure-NNX training step;
+* ``stacks``: sizes, data and unrolled references of the ``remat_stack`` tests;
+* ``docstring_models``: Flax docstring models that more than one test file runs;
+* ``corpus_helpers``: runs a module or function through the bridge and as pure JAX, and
+  tags the corpus tests for the coverage table (``docs/coverage.md``);
+* ``pipeline``: the only module that reads the call pipeline's internals;
+* ``devices_env``: which devices a test process pairs, from the environment;
+* ``ranks`` runs the worker scripts ``ddp_worker``, ``fsdp2_worker`` and
+  ``lightning_worker`` as separate processes; ``loss_inside`` builds the model the DDP and
+  FSDP2 workers train with its loss inside one FlaxModule.
+"""
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
+
+
+def subprocess_env(extra: dict | None = None) -> dict:
+    """This process's environment plus ``extra``, with the repository root on PYTHONPATH.
+
+    A child started with it imports this checkout's packages and ``tests.support``.
+    """
+    return {**os.environ, **(extra or {}),
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -1,0 +1,72 @@
+"""The one place the tests read the call pipeline's internals (torchside ``Caller``).
+
+Tests that check what a call compiled, held or exchanged read it through these functions,
+never through an owner's private attributes, so that a change to those internals is one
+change here. ``owner`` is a ``FlaxModule`` or a ``jax_function``. Prefer public behaviour
+where it exists: ``owner.trace_count``, ``owner.cache_size``, ``owner.clear_caches()``,
+``owner.memory_report(...)``.
+
+A ``Program`` (``flaxside.internal``) is tested on its own in
+``tests/calls/test_program.py``; the programs returned here are used through that API
+(``trace_count``, ``diff_index``, ``residual_map()``, ``specs``, ``device``, ``fence``).
+"""
+
+from __future__ import annotations
+
+
+def entries(owner) -> list:
+    """The owner's cached entries, one per call signature, least recently used first.
+
+    Compare them by identity (``is``) or count them; what an entry holds is read through
+    the functions below.
+    """
+    return owner._caller.entries
+
+
+def programs(owner) -> list:
+    """The compiled ``flaxside`` program of each cached entry, in ``entries`` order."""
+    return [e.program for e in entries(owner)]
+
+
+def only_program(owner):
+    """The program of the owner's one cached call signature (fails if there are more)."""
+    found = programs(owner)
+    assert len(found) == 1, f"expected one cached call signature, found {len(found)}"
+    return found[0]
+
+
+def residual_map(owner):
+    """The residual map (what a call keeps for its backward) of the one cached signature."""
+    return only_program(owner).residual_map()
+
+
+def held_arrays(owner) -> list:
+    """The JAX arrays the owner holds over its variables' memory (one set per owner).
+
+    Variables that cannot be held (unaligned or non-compact memory, autocast copies) have
+    no held array and are left out.
+    """
+    return [s[5] for s in owner._caller.held._slots if s is not None and s[5] is not None]
+
+
+def crosses_by_dlpack(owner) -> list[bool]:
+    """Per cached entry, whether its tensors cross by DLPack (the CUDA route)."""
+    return [e.exchange.dlpack for e in entries(owner)]
+
+
+def executables_run(owner) -> list[tuple[str, str, object]]:
+    """``(program name, kind, jax.stages.Compiled)`` for every executable the calls ran.
+
+    ``kind`` is ``"forward"``, ``"forward_with_residuals"``, ``"backward"``,
+    ``"backward_recompute"`` or ``"value_and_grad"``.
+    """
+    return [(e.program.name, kind, e.program.compiled(kind))
+            for e in entries(owner) for kind in e._executables]
+
+
+def variables_from(module, values: list):
+    """The Flax variables of a ``FlaxModule`` with ``values`` as its parameter leaves.
+
+    ``values`` holds one array per ``module.named_parameters()``, in that order.
+    """
+    return module._adapter.variables(values)
