@@ -12,7 +12,7 @@ NOTE [Devices]. The tensors decide where a program runs, never JAX's default dev
 Every compiled program is lowered for the device this table gives for its tensors (the
 device is part of the call signature), and results come back there. Two host devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=2``) with JAX's default device set to
-the second reproduce the ``torchrun`` case on a CPU (``tests/test_devices.py``).
+the second reproduce the ``torchrun`` case on a CPU (``tests/devices/test_devices.py``).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 What this shows, on a machine with a CUDA GPU and a CUDA build of jaxlib:
 
 * the ``gpu``-marked tests: the module follows its device and matches the CPU, DLPack
-  exchanges are ordered on torch's and JAX's streams (``tests/test_exchange_ordering.py``
+  exchanges are ordered on torch's and JAX's streams (``tests/exchange/test_ordering.py``
   records one fence per program run and checks the streams it names), round trips are
   zero-copy, JAX does not preallocate beside torch, and, with two or more GPUs, 2-rank DDP
-  over NCCL on ``cuda:0`` / ``cuda:1`` equals one process (``tests/test_ddp.py``);
-* ``tests/devices_cases.py`` (FlaxModule Linen and NNX, jax_function, remat_stack,
+  over NCCL on ``cuda:0`` / ``cuda:1`` equals one process (``tests/trainers/test_ddp.py``);
+* ``tests/devices/cases.py`` (FlaxModule Linen and NNX, jax_function, remat_stack,
   recompute, torch.compile, memory_report, each against pure JAX on the right device) with
   CUDA tensors while JAX's default device is the CPU, with CPU tensors while it is the GPU,
   and with two GPUs, with tensors on ``cuda:1`` while it is GPU 0 (the ``torchrun`` case);
@@ -165,7 +165,7 @@ def main() -> int:
     codes = []
     rows, code = pytest_rows(["-m", "gpu", str(ROOT / "tests")])
     codes.append(code)
-    cases = str(ROOT / "tests" / "devices_cases.py")
+    cases = str(ROOT / "tests" / "devices" / "cases.py")
     variants = [("cuda tensors, JAX default cpu", {"FLAXTORCH_TEST_TORCH_DEVICE": "cuda:0",
                                                    "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:0"}),
                 ("cpu tensors, JAX default gpu", {"FLAXTORCH_TEST_TORCH_DEVICE": "cpu",

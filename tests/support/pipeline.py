@@ -46,7 +46,7 @@ def held_arrays(owner) -> list:
     Variables that cannot be held (unaligned or non-compact memory, autocast copies) have
     no held array and are left out.
     """
-    return [s[5] for s in owner._caller.held._slots if s is not None and s[5] is not None]
+    return [s.array for s in owner._caller.held.slots if s is not None and s.array is not None]
 
 
 def crosses_by_dlpack(owner) -> list[bool]:

@@ -172,7 +172,7 @@ def assert_matches(ours: torch.nn.Module, reference: torch.nn.Module, *inputs,
             a mapping, or a mapping that misses a parameter of ``ours``.
 
     Example:
-        Paste into a test file (this exact code runs in tests/test_parity.py)::
+        Paste into a test file (this exact code runs in tests/parity/test_assert_matches.py)::
 
             import flax.linen as nn
             import torch

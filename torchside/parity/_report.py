@@ -18,7 +18,7 @@ from torchside.parity._weights import eps
 #   GELU in float32 and round once per op; where XLA rounds depends on what it fuses), so
 #   two correct 8-block twins each drift a few percent from a float64 evaluation of the same
 #   weights. 8e-2 is about twice the worst difference the parity matrix
-#   (tests/test_parity_matrix.py) meets across its twins, stack variants and checkpoint
+#   (tests/parity/test_matrix.py) meets across its twins, stack variants and checkpoint
 #   variants; a wrong weight or a transposed kernel moves outputs and gradients by tens of
 #   percent and still fails. torch's own bfloat16 default (rtol 1.6e-2) fails correct
 #   blocks: bfloat16 parity catches structural mistakes, float32 and float64 the fine ones.
