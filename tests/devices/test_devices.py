@@ -90,10 +90,10 @@ def test_to_jax_names_itself_and_the_argument():
 
 def test_new_modules_follow_torchs_default_device():
     assert bridge.internal.default_torch_device() == torch.device("cpu")
-    with torch.device("meta"):  # JAX shares no memory with it: the CPU instead
-        assert bridge.internal.default_torch_device() == torch.device("cpu")
+    with torch.device("meta"):  # shapes only: tests/module/test_deferred_init.py
+        assert bridge.internal.default_torch_device() == torch.device("meta")
         m = FlaxModule(nn.Dense(3), example_args=(torch.zeros(1, 2, device="cpu"),))
-    assert {p.device for p in m.parameters()} == {torch.device("cpu")}
+    assert {p.device for p in m.parameters()} == {torch.device("meta")}
 
 
 # -- tensors on devices the call does not run on ------------------------------------------
@@ -122,8 +122,7 @@ def test_a_parameter_moved_behind_the_modules_back_is_refused_by_name():
 def test_parameters_all_on_a_device_jax_cannot_reach_are_refused_by_name():
     m = FlaxModule(MLP(), example_args=(torch.zeros(2, 5),)).to("meta")
     with pytest.raises(ValueError, match=r"FlaxModule\(MLP\): argument 'params\.Dense_0\.bias' "
-                                         r"is on meta; flaxtorch exchanges memory on cpu and "
-                                         r"cuda only"):
+                                         r"is on meta, which holds shapes but no values"):
         m(torch.randn(2, 5, device="meta"))
 
 

@@ -8,10 +8,13 @@
 * ``corpus_helpers``: runs a module or function through the bridge and as pure JAX, and
   tags the corpus tests for the coverage table (``docs/coverage.md``);
 * ``pipeline``: the only module that reads the call pipeline's internals;
+* ``closeness``: comparisons whose tolerance scales with the values, with negative
+  controls, and JAX's highest matmul precision for CUDA comparisons;
 * ``devices_env``: which devices a test process pairs, from the environment;
-* ``ranks`` runs the worker scripts ``ddp_worker``, ``fsdp2_worker`` and
-  ``lightning_worker`` as separate processes; ``loss_inside`` builds the model the DDP and
-  FSDP2 workers train with its loss inside one FlaxModule.
+* ``ranks`` runs the worker scripts ``ddp_worker``, ``fsdp2_worker``,
+  ``deferred_init_worker`` and ``lightning_worker`` as separate processes;
+  ``loss_inside`` builds the model the DDP and FSDP2 workers train with its loss inside
+  one FlaxModule.
 """
 
 import os
