@@ -30,9 +30,10 @@ class OrderingEvent(NamedTuple):
             current CUDA stream at the export, which torch's ``__dlpack__`` orders before
             the consumer's; for ``"jax->torch"`` the stream torch passed to JAX's
             ``__dlpack__``; ``None`` on CPU and for ``"run"``.
-        detail: ``"torch->jax"`` / ``"import"``: the stream the consumer (JAX) passed;
-            ``"run"``: the program's name; ``"jax->torch"``: the memory handed to torch,
-            as ``(data pointer, bytes)`` per tensor.
+        detail: ``"torch->jax"`` / ``"import"``: ``(consumer stream, data pointer)``, the
+            stream JAX passed to ``__dlpack__`` and the memory it imports; ``"run"``: the
+            program's name; ``"jax->torch"``: the memory handed to torch, as ``(data
+            pointer, bytes)`` per tensor.
     """
 
     kind: str
@@ -98,5 +99,6 @@ class Observed:
     def __dlpack__(self, *args, stream=None, **kwargs):
         self.streams.append(stream)
         if self.kind != "jax->torch":
-            record(self.kind, self.device, current_stream(self.device), stream)
+            record(self.kind, self.device, current_stream(self.device),
+                   (stream, self.obj.data_ptr()))
         return self.obj.__dlpack__(*args, stream=stream, **kwargs)

@@ -135,7 +135,7 @@ class Program:
         # value_and_grad applies, its gradients times a real cotangent being the VJP's.
         self.scalar_loss = len(self.diff_out_index) == 1 and (
             self.out_specs[self.diff_out_index[0]].shape == ()
-            and np.issubdtype(self.out_specs[self.diff_out_index[0]].dtype, np.floating)
+            and jnp.issubdtype(self.out_specs[self.diff_out_index[0]].dtype, jnp.floating)
             and linear_in_cotangent(closed.jaxpr))
         used = 0
         for m in masks:

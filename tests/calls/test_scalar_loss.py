@@ -297,3 +297,30 @@ def test_losses_whose_gradient_does_not_scale_keep_two_programs(kind):
     tol = 1e-5 if kind == "custom_vjp" else 2e-3
     torch.testing.assert_close(w.grad, expected, rtol=tol,
                                atol=tol * float(expected.abs().max()))
+
+
+def test_a_bfloat16_loss_takes_the_fused_route():
+    """bfloat16 keeps float32's exponent range, so its gradients scale like float32's: a
+    bfloat16 loss (autocast, FSDP2's bfloat16 policy) runs one program. It fell back to two
+    when the dtype check read bfloat16 as not floating."""
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    w = torch.randn(5, 4, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(8, 5, dtype=torch.bfloat16)
+    previous = bridge.set_exchange_mode("dlpack")
+    try:
+        with bridge.internal.record_ordering() as log:
+            jax_function(loss)(w, x).backward(torch.tensor(2.0, dtype=torch.bfloat16))
+    finally:
+        bridge.set_exchange_mode(previous)
+    assert [e.detail for e in log if e.kind == "run"] == ["value_and_grad"]
+    def bf16(t):
+        return _j(t.float()).astype(jnp.bfloat16)
+
+    _, vjp = jax.vjp(lambda w: loss(w, bf16(x)), bf16(w))
+    expected = torch.from_numpy(np.asarray(vjp(jnp.bfloat16(2.0))[0], dtype=np.float32))
+    # Pure JAX op by op against one fused program, both in bfloat16 (8 significant bits):
+    # a few roundings apart, relative to the gradient's size.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(w.grad.float(), expected, rtol=0, atol=2**-6 * scale)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bridge
+from tests.support.closeness import close, highest_precision
 from tests.support.twins import RematScanStack
 from torchside import FlaxModule
 
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_jax_does_not_preallocate_beside_torch():
+    """Catches JAX reserving 75% of the GPU at its first use beside torch's allocator."""
     assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false"
     free_before, total = torch.cuda.mem_get_info()
     m = FlaxModule(RematScanStack(64, (2, 2)), example_args=(torch.zeros(4, 64),)).cuda()
@@ -28,45 +30,67 @@ def test_jax_does_not_preallocate_beside_torch():
 
 
 def test_module_follows_its_device_and_matches_cpu():
-    x = torch.randn(8, 32)
-    m = FlaxModule(RematScanStack(32, (2, 4)), example_args=(x,))
-    ct = torch.randn(8, 32)
-    xc = x.clone().requires_grad_()
-    (m(xc) * ct).sum().backward()
-    cpu_grads = [xc.grad] + [p.grad.clone() for p in m.parameters()]
-    m.zero_grad()
-    m.cuda()
-    assert all(p.device.type == "cuda" for p in m.parameters())
-    xg = x.cuda().requires_grad_()
-    y = m(xg)
-    assert y.device == xg.device
-    (y * ct.cuda()).sum().backward()
-    gpu_grads = [xg.grad] + [p.grad for p in m.parameters()]
-    for a, b in zip(cpu_grads, gpu_grads, strict=True):
-        # GPU float32 matmuls may run in TF32 (JAX's default there): atol scales with max|CPU|.
-        scale = max(1.0, a.abs().max().item())
-        torch.testing.assert_close(b.cpu(), a, rtol=1e-3, atol=1e-2 * scale)
+    """Catches a module that computes on the wrong device or with stale programs after
+    ``.cuda()``: outputs and gradients against the same module on the CPU, both in full
+    float32 (no TF32), with a doubled gradient as the negative control."""
+    with highest_precision():
+        x = torch.randn(8, 32)
+        m = FlaxModule(RematScanStack(32, (2, 4)), example_args=(x,))
+        ct = torch.randn(8, 32)
+        xc = x.clone().requires_grad_()
+        (m(xc) * ct).sum().backward()
+        cpu_grads = [xc.grad] + [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        m.cuda()
+        assert all(p.device.type == "cuda" for p in m.parameters())
+        xg = x.cuda().requires_grad_()
+        y = m(xg)
+        assert y.device == xg.device
+        (y * ct.cuda()).sum().backward()
+        gpu_grads = [xg.grad] + [p.grad for p in m.parameters()]
+    for k, (a, b) in enumerate(zip(cpu_grads, gpu_grads, strict=True)):
+        close(b, a.numpy(), f"gradient {k}", wrong=[2 * a.numpy()])
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Slow work on torch's stream whose every step changes the values."""
+    for _ in range(20):
+        x = torch.tanh(x @ w)
+    return x
 
 
 def test_stream_ordering_torch_to_jax_and_back():
-    """torch writes on its stream right before the call; JAX must see the finished values."""
-    m = FlaxModule(RematScanStack(512, (2, 2)), example_args=(torch.zeros(2048, 512),)).cuda()
-    base = torch.randn(2048, 512, device="cuda")
-    expected = m(base.clone())
-    torch.cuda.synchronize()
-    for _ in range(5):
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            x = base.clone()
-            for _ in range(20):  # keep torch's stream busy so a missing wait shows
-                x = (x @ torch.eye(512, device="cuda")).contiguous()
-            y = m(x)
-            z = y * 1.0  # torch reads JAX's output at once on its own stream
-        side.synchronize()
-        torch.testing.assert_close(z, expected, rtol=1e-4, atol=1e-4)
+    """Catches JAX reading its input before torch's queued writes finished, or torch
+    reading JAX's output before JAX wrote it. Each iteration computes new values on a side
+    stream through a chain of ops that changes them at every step, calls the module and
+    reads its output at once on that stream; the reference is the same computation with
+    the device synchronized between steps. An early read sees a partial chain: other
+    values (the previous iteration's result is the negative control)."""
+    with highest_precision():
+        m = FlaxModule(RematScanStack(512, (2, 2)), example_args=(torch.zeros(2048, 512),)).cuda()
+        w = torch.randn(512, 512, device="cuda") / 512**0.5
+        previous = None
+        for step in range(5):
+            base = torch.randn(2048, 512, device="cuda",
+                               generator=torch.Generator("cuda").manual_seed(step))
+            torch.cuda.synchronize()
+            want = _chain(base, w)
+            torch.cuda.synchronize()
+            want = m(want) * 1.0
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                x = _chain(base, w)  # queued: slow, and every step changes x
+                y = m(x)
+                z = y * 1.0  # torch reads JAX's output at once on its own stream
+            side.synchronize()
+            close(z, want.cpu().numpy(), f"iteration {step}",
+                  wrong=[] if previous is None else [previous])
+            previous = want.cpu().numpy()
 
 
 def test_cuda_round_trip_is_zero_copy():
+    """Catches a copy on either crossing: the memory must be the tensor's."""
     t = torch.randn(1024, device="cuda")
     a = bridge.to_jax(t)
     assert a.unsafe_buffer_pointer() == t.data_ptr()

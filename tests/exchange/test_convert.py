@@ -150,6 +150,7 @@ def test_device_table():
 
 @pytest.mark.gpu
 def test_cuda_round_trip_zero_copy():
+    """Catches a copy on the way in and a wrong device or value on the way back."""
     t = torch.randn(64, 64, device="cuda")
     a = bridge.to_jax(t)
     assert a.unsafe_buffer_pointer() == t.data_ptr()

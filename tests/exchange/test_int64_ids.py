@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support import pipeline
 from torchside import FlaxModule, jax_function
 
 VOCAB, WIDTH = 50, 16
@@ -85,21 +86,37 @@ def test_int64_ids_without_grad_and_under_torch_compile():
     _assert_matches(m, y, ids, mask, ct)
 
 
+class CountingLM(nn.Module):
+    """``TinyLM`` that also counts its train-mode calls in a state collection."""
+
+    @nn.compact
+    def __call__(self, ids, mask):
+        calls = self.variable("stats", "calls", lambda: jnp.zeros((), jnp.int32))
+        if not self.is_initializing():
+            calls.value = calls.value + 1
+        return TinyLM()(ids, mask)
+
+
 @pytest.mark.parametrize("bad", [2**31, -(2**31) - 1], ids=["too-large", "too-small"])
 def test_a_value_that_does_not_fit_int32_is_refused_by_name_before_anything_runs(bad):
-    m = _module()
+    """No program runs before the check: a fresh module has fetched no executable, its
+    counter and parameters are unchanged, and no gradient exists."""
+    example = (torch.zeros(4, 6, dtype=torch.int32), torch.ones(4, 6, dtype=torch.int32))
+    m = FlaxModule(CountingLM(), example_args=example)
     m.train()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     ids = _ids()
     ids[1, 2] = bad
-    with pytest.raises(TypeError, match=r"FlaxModule\(TinyLM\): argument 'args\[0\]' is "
+    with pytest.raises(TypeError, match=r"FlaxModule\(CountingLM\): argument 'args\[0\]' is "
                                         r"torch.int64 with values from -?\d+ to -?\d+, which "
                                         r"do not fit int32.*jax_enable_x64"):
         m(ids, torch.ones(4, 6, dtype=torch.int64))
+    assert pipeline.executables_run(m) == []  # checked before any program ran
     assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     assert all(p.grad is None for p in m.parameters())
     ids[1, 2] = 3
     m(ids, torch.ones(4, 6, dtype=torch.int64)).sum().backward()  # the next call works
+    assert int(m.stats.calls) == 1 and pipeline.executables_run(m)  # it ran, once
 
 
 def test_int64_and_int32_calls_agree():

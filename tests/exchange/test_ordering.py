@@ -1,4 +1,4 @@
-"""Ordering between torch's writes and JAX's reads, on every exchange route.
+"""Ordering between torch's writes and JAX's reads, on every exchange route, by values.
 
 Parameters cross as held arrays made once (NOTE [Exchange] in ``bridge/_exchange.py``):
 on CUDA a held array was imported long before torch's latest write to it, so each call
@@ -6,7 +6,13 @@ orders JAX after torch's current stream once (the fence), and results order torc
 JAX. Each test runs on three routes: CPU pointer views, the DLPack route forced on CPU
 (``FLAXTORCH_EXCHANGE=dlpack``: the CUDA code path, ordering calls included, run by CI),
 and CUDA (``gpu`` marker; skipped without a GPU). References are pure JAX on CPU copies
-of the current values.
+of the current values; each comparison also checks that the wrong answer the bug would
+give (a stale parameter, an overwritten input, a skipped accumulation) fails it.
+``test_fences.py`` checks the recorded steps of the DLPack route.
+
+On CUDA each test names the race it catches: the module's own inputs are imported by
+DLPack per call, an ordering of their own, so the tests that reach the fence alone
+write to memory the module holds (parameters) or reads late (outputs, gradients).
 """
 
 import flax.linen as nn
@@ -19,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
 from tests.support import pipeline
+from tests.support.closeness import close, highest_precision
 from torchside import FlaxModule
 
 
@@ -38,11 +45,15 @@ ROUTES = [
 
 
 def _in_mode(request):
-    """Runs the test in the route's exchange mode; yields its torch device."""
+    """Runs the test in the route's exchange mode; yields its torch device.
+
+    At JAX's highest matmul precision: on CUDA no TF32 hides an error in the comparison.
+    """
     device, mode = request.param
     previous = bridge.set_exchange_mode(mode)
     try:
-        yield device
+        with highest_precision():
+            yield device
     finally:
         bridge.set_exchange_mode(previous)
 
@@ -63,49 +74,61 @@ def _busy(device: str) -> None:
             a = a @ a / 2048**0.5
 
 
-def _reference(module: FlaxModule, x: torch.Tensor, ct: torch.Tensor):
-    """Output and every gradient by jax.vjp of pure Flax on CPU copies of the current values."""
+def _reference(module: FlaxModule, x: torch.Tensor, ct: torch.Tensor, params=None):
+    """Output and every gradient by jax.vjp of pure Flax on the CPU, from copies of the
+    current values (or of ``params``, name -> tensor)."""
+    named = dict(module.named_parameters()) if params is None else params
     names = [n for n, _ in module.named_parameters()]
-    values = [jnp.asarray(p.detach().cpu().numpy()) for _, p in module.named_parameters()]
-    def f(vs, x):
-        return module.flax_module.apply(pipeline.variables_from(module, vs), x)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        values = [jnp.asarray(named[n].detach().cpu().numpy()) for n in names]
 
-    y, pull = jax.vjp(f, values, jnp.asarray(x.detach().cpu().numpy()))
-    g_params, g_x = pull(jnp.asarray(ct.cpu().numpy()))
+        def f(vs, x):
+            return module.flax_module.apply(pipeline.variables_from(module, vs), x)
+
+        y, pull = jax.vjp(f, values, jnp.asarray(x.detach().cpu().numpy()))
+        g_params, g_x = pull(jnp.asarray(ct.float().cpu().numpy()))
     return (np.asarray(y), dict(zip(names, map(np.asarray, g_params), strict=True)),
             np.asarray(g_x))
 
 
-def _close(got: torch.Tensor, want: np.ndarray, what: str) -> None:
-    # JAX on CUDA may run float32 matmuls in TF32; on CPU both sides are XLA's CPU kernels.
-    tol = 2e-2 if got.device.type == "cuda" else 1e-5
-    got = got.detach().cpu().numpy()
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()),
-                               err_msg=what)
-
-
 def test_optimizer_step_on_torchs_stream_is_seen_by_the_next_forward(route):
+    """Catches a call that reads a parameter before the optimizer's queued step wrote it.
+
+    On CUDA the step is queued behind slow work on torch's stream, and the parameters are
+    held arrays (not imported per call): only the call's fence orders JAX's read after
+    the step. A stale read gives the previous step's values: the negative control.
+    """
     width = _width(route)
     torch.manual_seed(0)
     m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),)).to(route)
     opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    before = None
     for step in range(3):
         x = torch.randn(8, width, device=route, requires_grad=True)
         ct = torch.randn(8, width, device=route)
         y = m(x)
         y.backward(ct)
         want_y, want_g, want_gx = _reference(m, x, ct)
-        _close(y, want_y, f"output, step {step}")
-        _close(x.grad, want_gx, f"x.grad, step {step}")
+        stale = [] if before is None else [_reference(m, x, ct, before)[0]]
+        close(y, want_y, f"output, step {step}", wrong=stale)
+        close(x.grad, want_gx, f"x.grad, step {step}")
         for name, p in m.named_parameters():
-            _close(p.grad, want_g[name], f"{name}.grad, step {step}")
+            close(p.grad, want_g[name], f"{name}.grad, step {step}")
+        if step == 0:
+            held = pipeline.held_arrays(m)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
         _busy(route)
         opt.step()  # in place, on torch's stream, into the memory JAX holds arrays over
         opt.zero_grad()
-    assert len(pipeline.held_arrays(m)) == 4  # the arrays were reused, not re-imported per call
+    # The same held arrays in every call: reused, not imported again per call.
+    now = pipeline.held_arrays(m)
+    assert len(now) == 4 and all(a is b for a, b in zip(held, now, strict=True))
 
 
 def test_a_write_to_an_output_right_after_the_call_is_not_overwritten(route):
+    """Catches results handed to torch before JAX wrote them: JAX's late write would land
+    after torch's fill. No import orders this: only the results' export to torch's stream."""
     width = _width(route)
     m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),)).to(route)
     x = torch.randn(512, width, device=route)
@@ -117,14 +140,17 @@ def test_a_write_to_an_output_right_after_the_call_is_not_overwritten(route):
 
 
 def test_an_input_written_right_after_the_call_was_read_before(route):
+    """Catches a call that returns before JAX read its input: torch's next write to the
+    input would be read instead (the negative control is the output of the written input)."""
     width = _width(route)
     m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),)).to(route)
     x = torch.randn(512, width, device=route)
     want = _reference(m, x, torch.zeros(512, width))[0]
+    late = _reference(m, torch.full_like(x, 1e6), torch.zeros(512, width))[0]
     with torch.no_grad():
         y = m(x)
         x.fill_(1e6)  # JAX must have read x (or torch must wait) before this lands
-    _close(y, want, "output after the input was overwritten")
+    close(y, want, "output after the input was overwritten", wrong=[late])
 
 
 class Deep(nn.Module):
@@ -151,6 +177,8 @@ def test_saved_tensor_hooks_and_the_gradients_read_finished_results(route, scala
     On CPU the bridge makes autograd's records while the program runs and waits before it
     returns from forward and from backward (NOTE [Exchange]): a wait after torch's pack
     hooks, or after the backward returned, would hand them memory JAX is still writing.
+    Catches that, and on CUDA a gradient handed to torch's accumulation before JAX wrote
+    it; the gradient alone, as if nothing was accumulated, is the negative control.
     """
     width = 1024 if route == "cuda" else 512
     torch.manual_seed(0)
@@ -170,9 +198,10 @@ def test_saved_tensor_hooks_and_the_gradients_read_finished_results(route, scala
     y.backward(ct)
     assert packed
     want_y, want_g, _ = _reference(m, x, ct)
-    _close(y, want_y, "output")
+    close(y, want_y, "output")
     for name, p in m.named_parameters():
-        _close(p.grad, want_g[name] + 0.25, f"{name}.grad")
+        # Negative control: the gradient alone, as if torch never accumulated into .grad.
+        close(p.grad, want_g[name] + 0.25, f"{name}.grad", wrong=[want_g[name]])
 
 
 class _ReadEveryView(TorchDispatchMode):
@@ -196,7 +225,8 @@ def test_a_dispatch_mode_sees_finished_results_and_gradients(route, dtype):
     """A ``TorchDispatchMode`` sees each result and gradient view only once JAX wrote it.
 
     A bfloat16 result is viewed as bfloat16 by an op, and packed gradients are views made
-    by ops; on CPU they are made while the program runs unless a mode is watching.
+    by ops; on CPU they are made while the program runs unless a mode is watching. Catches
+    a view read early: its sum then differs from the sum read after the step.
     """
     torch.manual_seed(0)
     m = FlaxModule(Deep(64, dtype=dtype), example_args=(torch.zeros(2, 64),)).to(route)
@@ -218,131 +248,10 @@ def test_replaced_parameter_memory_is_read_afresh(route):
     m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),)).to(route)
     x = torch.randn(8, width, device=route)
     m(x)
+    old = _reference(m, x, torch.zeros(8, width))[0]
     for p in m.parameters():
         p.data = torch.randn_like(p)  # new memory: the held array must not be reused
     with torch.no_grad():
         y = m(x)
-    _close(y, _reference(m, x, torch.zeros(8, width))[0], "output after p.data = ...")
-
-
-# -- the recorded ordering steps of the DLPack route (the CUDA code path) ------------------
-DLPACK_ROUTES = [
-    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
-    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
-]
-
-
-dlpack_route = pytest.fixture(params=DLPACK_ROUTES, name="dlpack_route")(_in_mode)
-
-
-def _steps(log) -> list[str]:
-    """The log as kinds: ``torch->jax``, ``run:<program>``, ``jax->torch``, test markers."""
-    out = []
-    for e in log:
-        if isinstance(e, bridge.internal.OrderingEvent):
-            out.append(f"run:{e.detail}" if e.kind == "run" else e.kind)
-        else:
-            out.append(e)
-    return out
-
-
-def _handed_back(event, tensor) -> bool:
-    """Whether ``tensor``'s memory is among what a ``jax->torch`` step handed to torch."""
-    return any(start <= tensor.data_ptr() < start + size for start, size in event.detail)
-
-
-def _stream(device: str):
-    return torch.cuda.current_stream().cuda_stream if device == "cuda" else None
-
-
-FENCED = ["torch->jax", "run", "jax->torch"]
-
-
-@pytest.mark.parametrize("residuals", ["save", "recompute"])
-def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torch_reads(
-        dlpack_route, residuals):
-    device = dlpack_route
-    width = _width(device)
-    m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),),
-                   residuals=residuals).to(device)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    x = torch.randn(8, width, device=device, requires_grad=True)
-    ct = torch.randn(8, width, device=device)
-    m(x).backward(ct)  # compiled outside the log: the log shows the steady state
-    opt.zero_grad()
-    x.grad = None  # torch then takes the handed-back gradient itself, as for parameters
-    forward = "forward" if residuals == "recompute" else "forward_with_residuals"
-    backward = "backward_recompute" if residuals == "recompute" else "backward"
-    with bridge.internal.record_ordering() as log:
-        y = m(x)
-        log.append("test: backward")
-        y.backward(ct)
-        log.append("test: optimizer step")
-        opt.step()  # in place, on torch's stream, into memory JAX holds arrays over
-        with torch.no_grad():
-            y2 = m(x)
-        log.append("test: write to the output")
-        y2.fill_(7.0)
-    assert _steps(log) == [
-        "torch->jax", f"run:{forward}", "jax->torch", "test: backward",
-        "torch->jax", f"run:{backward}", "jax->torch", "test: optimizer step",
-        "torch->jax", "run:forward", "jax->torch", "test: write to the output",
-    ]
-    events = [e for e in log if isinstance(e, bridge.internal.OrderingEvent)]
-    assert all(e.device == torch.device(device) if device == "cpu" else e.device.type == device
-               for e in events)
-    assert all(e.stream == _stream(device) for e in events)
-    # What torch reads or writes next was handed to its stream first: the outputs, the
-    # input gradient and every parameter gradient (views into packed buffers included).
-    assert _handed_back(events[2], y) and _handed_back(events[8], y2)
-    for t in [x.grad, *(p.grad for p in m.parameters())]:
-        assert _handed_back(events[5], t)
-    with torch.no_grad():
-        want = _reference(m, x, ct)[0]
-    _close(m(x), want, "output after the optimizer step")  # it read the step's values
-
-
-def test_the_order_follows_torchs_current_stream(dlpack_route):
-    """Each step names the stream that is current at the call: a side stream on CUDA."""
-    device = dlpack_route
-    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
-    x = torch.randn(2, 8, device=device)
-    side = torch.cuda.Stream() if device == "cuda" else None
-    with bridge.internal.record_ordering() as log, torch.no_grad():
-        if side is None:
-            y = m(x)
-        else:
-            with torch.cuda.stream(side):
-                y = m(x)
-    assert _steps(log) == ["torch->jax", "run:forward", "jax->torch"]
-    want = None if side is None else side.cuda_stream
-    assert [e.stream for e in log] == [want] * 3
-    assert _handed_back(log[2], y)
-
-
-def test_compiled_graph_runs_are_fenced_like_eager_ones(dlpack_route):
-    device = dlpack_route
-    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
-    compiled = torch.compile(m, fullgraph=True)
-    x = torch.randn(2, 8, device=device, requires_grad=True)
-    ct = torch.randn(2, 8, device=device)
-    compiled(x).backward(ct)  # tracing and compiling, outside the log
-    with bridge.internal.record_ordering() as log:
-        y = compiled(x)
-        log.append("test: backward")
-        y.backward(ct)
-    assert _steps(log) == ["torch->jax", "run:forward_with_residuals", "jax->torch",
-                           "test: backward",
-                           "torch->jax", "run:backward", "jax->torch"]
-
-
-def test_the_dlpack_route_holds_parameters_zero_copy():
-    previous = bridge.set_exchange_mode("dlpack")
-    try:
-        m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),))
-        m(torch.randn(2, 8, requires_grad=True)).sum().backward()
-        assert pipeline.crosses_by_dlpack(m) == [True] and pipeline.only_program(m).fence
-        held = {a.unsafe_buffer_pointer() for a in pipeline.held_arrays(m)}
-        assert held == {p.data_ptr() for p in m.parameters()}  # zero-copy, made once
-    finally:
-        bridge.set_exchange_mode(previous)
+    close(y, _reference(m, x, torch.zeros(8, width))[0], "output after p.data = ...",
+          wrong=[old])

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tests.support.devices_env import apply_default_device  # noqa: E402
-from tests.support.loss_inside import with_loss  # noqa: E402
+from tests.support.loss_inside import save_routes, with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 16
@@ -81,8 +81,10 @@ def main(rank: int, world: int, port: int, out: str) -> None:
                 model, device_ids=[rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=loss_inside)
         train(model, rank, world, device, loss_inside)
-        state = {k: v.cpu() for k, v in
-                 (model.module if world > 1 else model).state_dict().items()}
+        owner = model.module if world > 1 else model
+        if loss_inside:
+            save_routes(owner, f"{path}.routes.{rank}.json")
+        state = {k: v.cpu() for k, v in owner.state_dict().items()}
         if rank == 0:
             torch.save(state, path)
     if world > 1:

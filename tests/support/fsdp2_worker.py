@@ -23,7 +23,7 @@ import flax.linen as nn  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.support.loss_inside import with_loss  # noqa: E402
+from tests.support.loss_inside import save_routes, with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 8
@@ -78,7 +78,7 @@ def full_state(model) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def train(kind: str, rank: int, world: int) -> tuple[dict, dict]:
+def train(kind: str, rank: int, world: int, out: str) -> tuple[dict, dict]:
     bf16 = kind.endswith("-bf16")
     kind = kind.removesuffix("-bf16")
     model = build(kind)
@@ -107,6 +107,8 @@ def train(kind: str, rank: int, world: int) -> tuple[dict, dict]:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    if kind == "flax-loss":
+        save_routes(model, f"{out}.{kind}{'-bf16' if bf16 else ''}.routes.{rank}.json")
     return initial, full_state(model)
 
 
@@ -118,7 +120,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
     # The control first: its result is saved even if the others fail.
     for kind in KINDS + (BF16 if world > 1 else ()):
-        initial, final = train(kind, rank, world)
+        initial, final = train(kind, rank, world, out)
         if rank == 0:
             torch.save({"initial": initial, "final": final}, f"{out}.{kind}.pt")
     if world > 1:

@@ -40,3 +40,17 @@ def with_loss(model: torch.nn.Sequential, block: nn.Module) -> FlaxModule:
                                               wrapped.flax_variables()["params"])}
     return FlaxModule(WithLoss(block, inp.out_features, out.out_features),
                       variables={"params": params})
+
+
+def save_routes(owner, path: str) -> None:
+    """Writes, as JSON, the kinds of program the owner's calls ran (``pipeline``).
+
+    The loss-inside model must run ``value_and_grad`` alone (the fused route): a silent
+    fall-back to a forward and a backward program would train the same and pass unseen.
+    """
+    import json
+
+    from tests.support import pipeline
+
+    with open(path, "w") as f:
+        json.dump(sorted({kind for _, kind, _ in pipeline.executables_run(owner)}), f)

@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
+from tests.support import pipeline  # noqa: E402
 from tests.support.twins import ReadmeDeep  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
@@ -160,6 +161,8 @@ def test_a_loss_inside_the_module_accumulates_like_its_torch_twin(precision):
             if i % 2:
                 twin_opt.step()
                 twin_opt.zero_grad()
+    # The fused route ran, not a fall-back to a forward and a backward program.
+    assert {kind for _, kind, _ in pipeline.executables_run(model)} == {"value_and_grad"}
     # The block runs in float32 under autocast (its bf16 loss is cast back): against the
     # twin's bf16 layers, bf16's precision relative to the weights' size.
     atol = 1e-6 if precision == "no" else 2e-3

@@ -8,6 +8,9 @@ same model with its loss inside one FlaxModule (the scalar-loss route) under DDP
 ``gradient_as_bucket_view=True``: it must end where the first model ends.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,6 +31,9 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
                  marks=[pytest.mark.gpu, TWO_GPUS]),
 ])
 def test_two_process_ddp_equals_single_process_full_batch(env, tmp_path):
+    """Catches a rank computing on another device than its tensors' (the ``torchrun`` case),
+    a wrong all-reduce of the bridge's gradients, and the loss-inside model falling back
+    from its fused program."""
     out_ddp, out_ref = tmp_path / "ddp.pt", tmp_path / "ref.pt"
     # The reference: one process, JAX's default device left alone (on the GPU run, cuda:0).
     ref = run_reference(WORKER, out_ref, {k: v for k, v in env.items()
@@ -49,6 +55,10 @@ def test_two_process_ddp_equals_single_process_full_batch(env, tmp_path):
     # function and initial weights, its loss in torch): float32 rounding apart.
     loss_ddp = torch.load(f"{out_ddp}.loss", weights_only=True)
     loss_ref = torch.load(f"{out_ref}.loss", weights_only=True)
+    # It took the fused route in every process: value_and_grad, no backward program.
+    for routes in [f"{out_ref}.loss.routes.0.json", f"{out_ddp}.loss.routes.0.json",
+                   f"{out_ddp}.loss.routes.1.json"]:
+        assert json.loads(Path(routes).read_text()) == ["value_and_grad"], routes
     assert set(loss_ddp) == set(loss_ref)
     for name in loss_ref:
         torch.testing.assert_close(loss_ddp[name], loss_ref[name], msg=name)

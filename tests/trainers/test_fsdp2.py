@@ -7,6 +7,8 @@ with its loss in one FlaxModule (the scalar-loss route, whose gradients reach ``
 buffers JAX computed in the forward).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -32,6 +34,10 @@ def runs(tmp_path_factory):
         assert path.exists(), f"the {run} run did not finish {kind}: {failures[run][-3000:]}"
         return torch.load(path, weights_only=True)
 
+    def routes(run, kind, rank):
+        return json.loads((tmp / f"{run}.{kind}.routes.{rank}.json").read_text())
+
+    load.routes = routes
     return load
 
 
@@ -44,6 +50,9 @@ def test_fully_shard_on_two_ranks_equals_single_process_full_batch(runs, kind):
     torch.testing.assert_close(sharded["final"], reference["final"])
     for name, value in reference["final"].items():
         assert not torch.equal(value, reference["initial"][name]), f"{name} did not train"
+    if kind == "flax-loss":  # the fused route in every process, not a silent fall-back
+        for run, rank in (("ref", 0), ("sharded", 0), ("sharded", 1)):
+            assert runs.routes(run, kind, rank) == ["value_and_grad"], (run, rank)
 
 
 # Where each kind keeps the twin's parameters: torch name -> (name, transposed).
@@ -100,3 +109,5 @@ def test_mixed_precision_policy_trains_like_the_torch_twin(runs, kind):
                                    msg=lambda m, name=name: f"{name}: {m}")
     assert max(float((got[n] - fp32[n]).abs().max() / (twin[n] - initial[n]).abs().max())
                for n in twin) > 1e-3, "the bf16 run equals the float32 run: no bf16 compute"
+    if kind == "flax-loss-bf16":  # bfloat16 keeps the fused route (float16 would not)
+        assert runs.routes("sharded", kind, 0) == ["value_and_grad"]

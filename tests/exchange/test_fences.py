@@ -1,0 +1,237 @@
+"""The DLPack route's ordering steps, recorded from the exports that make them.
+
+On the DLPack route (CUDA, or the CPU with ``FLAXTORCH_EXCHANGE=dlpack``, which makes the
+same calls) each program run imports one fence tensor from torch's current stream, runs,
+and exports its results to torch's stream (NOTE [Exchange] in ``bridge/_exchange.py``).
+``bridge.internal.record_ordering`` logs each step from inside the ``__dlpack__`` call
+that makes it, with the stream the consumer passed, so a fence imported once and
+reused, or an import without a stream, is missing from the log. Each test runs on the
+forced route on the CPU and, with the ``gpu`` marker, on CUDA.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import bridge
+from tests.support import pipeline
+from tests.support.closeness import close, highest_precision
+from torchside import FlaxModule
+
+ROUTES = [
+    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
+    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=ROUTES, name="route")
+def _route(request):
+    device, mode = request.param
+    previous = bridge.set_exchange_mode(mode)
+    try:
+        with highest_precision():
+            yield device
+    finally:
+        bridge.set_exchange_mode(previous)
+
+
+class MLP(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.width)(jnp.tanh(nn.Dense(self.width)(x)))
+
+
+def _events(log) -> list:
+    return [e for e in log if isinstance(e, bridge.internal.OrderingEvent)]
+
+
+def _steps(log) -> list[str]:
+    """The log as ``torch->jax``, ``run:<program>``, ``jax->torch`` and test markers;
+    per-call imports of arguments and cotangents are left out."""
+    out = []
+    for e in log:
+        if not isinstance(e, bridge.internal.OrderingEvent):
+            out.append(e)
+        elif e.kind == "run":
+            out.append(f"run:{e.detail}")
+        elif e.kind != "import":
+            out.append(e.kind)
+    return out
+
+
+def _fenced_right_before_each_run(log) -> bool:
+    """Whether the step before every run is its fence: after every import of that call."""
+    events = _events(log)
+    return all(k > 0 and events[k - 1].kind == "torch->jax"
+               for k, e in enumerate(events) if e.kind == "run")
+
+
+def _handed_back(event, tensor) -> bool:
+    """Whether ``tensor``'s memory is among what a ``jax->torch`` step handed to torch."""
+    return any(start <= tensor.data_ptr() < start + size for start, size in event.detail)
+
+
+def _stream(device: str):
+    return torch.cuda.current_stream().cuda_stream if device == "cuda" else None
+
+
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torch_reads(
+        route, residuals):
+    """Catches a run without its own fence, a parameter imported again per call, an export
+    on another stream than torch's, and a result torch touches before it was handed back."""
+    device = route
+    m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals=residuals).to(device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    ct = torch.randn(8, 16, device=device)
+    m(x).backward(ct)  # compiled outside the log: the log shows the steady state
+    opt.zero_grad()
+    x.grad = None  # torch then takes the handed-back gradient itself, as for parameters
+    forward = "forward" if residuals == "recompute" else "forward_with_residuals"
+    backward = "backward_recompute" if residuals == "recompute" else "backward"
+    with bridge.internal.record_ordering() as log:
+        y = m(x)
+        log.append("test: backward")
+        y.backward(ct)
+        log.append("test: optimizer step")
+        opt.step()  # in place, on torch's stream, into memory JAX holds arrays over
+        with torch.no_grad():
+            y2 = m(x)
+        log.append("test: write to the output")
+        y2.fill_(7.0)
+    assert _steps(log) == [
+        "torch->jax", f"run:{forward}", "jax->torch", "test: backward",
+        "torch->jax", f"run:{backward}", "jax->torch", "test: optimizer step",
+        "torch->jax", "run:forward", "jax->torch", "test: write to the output",
+    ]
+    assert _fenced_right_before_each_run(log)
+    events = [e for e in _events(log) if e.kind != "import"]
+    assert all(e.device.type == device for e in events)
+    # Parameters are held arrays: no call imports their memory again.
+    params = {p.data_ptr() for p in m.parameters()}
+    assert not [e for e in _events(log) if e.kind == "import" and e.detail[1] in params]
+    # torch's stream is what each export named: torch's for the fence, the one torch
+    # passed to JAX for the results; JAX passed a stream of its own for the fence on CUDA.
+    for e in events:
+        if e.kind != "run":
+            assert e.stream == _stream(device), e
+        if e.kind == "torch->jax":
+            assert (e.detail[0] is not None) == (device == "cuda"), e
+    # What torch reads or writes next was handed to its stream first: the outputs, the
+    # input gradient and every parameter gradient (views into packed buffers included).
+    assert _handed_back(events[2], y) and _handed_back(events[8], y2)
+    for t in [x.grad, *(p.grad for p in m.parameters())]:
+        assert _handed_back(events[5], t)
+
+
+def test_the_order_follows_torchs_current_stream(route):
+    """Each step names the stream current at the call: a side stream on CUDA, as passed to
+    the exports, not read by the recorder alone."""
+    device = route
+    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
+    x = torch.randn(2, 8, device=device)
+    side = torch.cuda.Stream() if device == "cuda" else None
+    with bridge.internal.record_ordering() as log, torch.no_grad():
+        if side is None:
+            y = m(x)
+        else:
+            with torch.cuda.stream(side):
+                y = m(x)
+    assert _steps(log) == ["torch->jax", "run:forward", "jax->torch"]
+    want = None if side is None else side.cuda_stream
+    assert [e.stream for e in _events(log) if e.kind != "run"] == [want] * 3  # x, fence, out
+    assert _handed_back(_events(log)[-1], y)
+
+
+def test_compiled_graph_runs_are_fenced_like_eager_ones(route):
+    """Catches a ``torch.compile`` op that runs a program without its fence."""
+    device = route
+    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
+    compiled = torch.compile(m, fullgraph=True)
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    ct = torch.randn(2, 8, device=device)
+    compiled(x).backward(ct)  # tracing and compiling, outside the log
+    with bridge.internal.record_ordering() as log:
+        y = compiled(x)
+        log.append("test: backward")
+        y.backward(ct)
+    assert _steps(log) == ["torch->jax", "run:forward_with_residuals", "jax->torch",
+                           "test: backward",
+                           "torch->jax", "run:backward", "jax->torch"]
+    assert _fenced_right_before_each_run(log)
+
+
+def test_the_dlpack_route_holds_parameters_zero_copy():
+    previous = bridge.set_exchange_mode("dlpack")
+    try:
+        m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),))
+        m(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        assert pipeline.crosses_by_dlpack(m) == [True] and pipeline.only_program(m).fence
+        held = {a.unsafe_buffer_pointer() for a in pipeline.held_arrays(m)}
+        assert held == {p.data_ptr() for p in m.parameters()}  # zero-copy, made once
+    finally:
+        bridge.set_exchange_mode(previous)
+
+
+# -- a call that only its fence can order ---------------------------------------------------
+class NoArguments(nn.Module):
+    """A call with no tensor argument: its one parameter is a held array, so nothing is
+    imported per call and no import can stand in for the fence."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self):
+        w = self.param("w", nn.initializers.normal(1.0), (self.width, self.width))
+        return jnp.tanh(w) @ w
+
+
+def _no_arguments_reference(w: torch.Tensor) -> np.ndarray:
+    with jax.default_device(jax.devices("cpu")[0]):
+        v = jnp.asarray(w.detach().cpu().numpy())
+        return np.asarray(jnp.tanh(v) @ v)
+
+
+def test_a_call_with_no_tensor_argument_is_ordered_by_its_fence_alone(route):
+    """Catches a fence imported once and reused, a fence dropped from the program, or one
+    imported without a stream: the parameter is written in place on torch's stream (on
+    CUDA behind ``torch.cuda._sleep``, so the write lands late), then the module is called
+    with no argument, so the fence is the only thing that orders JAX's read after the
+    write. A read before the write gives the previous value: the negative control.
+    """
+    device = route
+    width = 1024 if device == "cuda" else 8
+    m = FlaxModule(NoArguments(width)).to(device)
+    with torch.no_grad():
+        m()  # compiled, parameter held
+    (w,) = m.parameters()
+    for step in range(3):
+        old = _no_arguments_reference(w)
+        new = torch.randn(width, width, generator=torch.Generator().manual_seed(step))
+        new = new.to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)  # torch's stream busy: the write below waits
+        with torch.no_grad():
+            w.copy_(new)
+        with bridge.internal.record_ordering() as log, torch.no_grad():
+            y = m()
+        # One fence, imported for this run from torch's stream, and nothing else imported.
+        assert [(e.kind, e.detail if e.kind == "run" else None) for e in _events(log)] == [
+            ("torch->jax", None), ("run", "forward"), ("jax->torch", None)], step
+        assert (_events(log)[0].detail[0] is not None) == (device == "cuda")
+        close(y, _no_arguments_reference(new), f"output after write {step}", wrong=[old])
+    # The executable takes the fence as a parameter: it survived lowering.
+    ((_, kind, compiled),) = pipeline.executables_run(m)
+    assert kind == "forward"
+    entry = compiled.as_text()[compiled.as_text().index("ENTRY"):]
+    names = re.findall(r'parameter\(\d+\).*?op_name="([^"]+)"', entry)
+    assert sorted(names) == ["fence[0]", "leaves[0]"], names

@@ -1,0 +1,64 @@
+"""Comparisons with a reference whose tolerance scales with what is compared.
+
+``close(got, want, what, wrong=...)`` passes when ``|got - want| <= rtol * (|want| +
+max|want|)`` elementwise: relative to each value and to the tensor's largest one, with no
+absolute floor, so a gradient of 1e-4 is held to 1e-4's precision and not to a fixed
+0.02. Every ``wrong`` value given (the result of a missed gradient accumulation, a stale
+parameter, an input overwritten too early) must fail the same comparison: the negative
+control that shows the tolerance can see the bug the test is about.
+
+``rtol`` is per device: on the CPU both sides run XLA's CPU kernels in float32; on CUDA
+the module runs at JAX's highest matmul precision (``highest_precision``) while the
+reference runs on the CPU, so only the order of float32 sums differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+import torch
+
+RTOL = {"cpu": 1e-5, "cuda": 1e-4}
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def within(got, want, rtol: float) -> bool:
+    """Whether ``got`` is within ``rtol`` of ``want`` by the rule above."""
+    got, want = _numpy(got), _numpy(want)
+    if got.shape != want.shape:
+        return False
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    return bool(np.all(np.abs(got - want) <= rtol * (np.abs(want) + scale)))
+
+
+def close(got: torch.Tensor, want, what: str, wrong=()) -> None:
+    """Asserts ``got`` matches ``want``, and that it matches none of ``wrong``."""
+    rtol = RTOL[got.device.type]
+    if not within(got, want, rtol):
+        g, w = _numpy(got), _numpy(want)
+        raise AssertionError(
+            f"{what}: max |got - want| = {np.abs(g - w).max():.3g} with max |want| = "
+            f"{np.abs(w).max():.3g} (rtol {rtol})")
+    for k, bad in enumerate(wrong):
+        assert not within(got, bad, rtol), (
+            f"{what}: also within tolerance of wrong answer {k}, so this comparison could not "
+            f"see the bug it checks for")
+
+
+@contextlib.contextmanager
+def highest_precision():
+    """float32 matmuls in full float32 on both frameworks (no TF32) for the duration."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with jax.default_matmul_precision("highest"):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
