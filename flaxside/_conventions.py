@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 jtu = jax.tree_util
 
@@ -49,6 +50,24 @@ def output_name(treedef, index: int) -> str:
     paths = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
     path = jtu.keystr(paths[index][0])
     return f"output {path}" if path else "the output"
+
+
+def check_output_leaf(leaf, treedef, index: int, name: str) -> None:
+    """Refuses an output leaf torch cannot hold: not an array, or a typed PRNG key."""
+    if not isinstance(leaf, jax.Array | np.ndarray | bool | int | float | complex):
+        raise TypeError(
+            f"{name}: {output_name(treedef, index)} of the function is a "
+            f"{type(leaf).__name__}, which is not an array: only arrays can cross to "
+            f"torch. Return arrays (or a tuple/list/dict of arrays), or register "
+            f"{type(leaf).__name__} as a pytree (flax.struct.dataclass, "
+            f"jax.tree_util.register_dataclass)."
+        )
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{name}: {output_name(treedef, index)} of the function is a typed PRNG key "
+            f"array ({leaf.dtype}), which torch cannot hold. Return jax.random.key_data(key) "
+            f"instead."
+        )
 
 
 def internal_assert(condition: bool, message: str) -> None:

@@ -14,6 +14,7 @@ one flat list of array leaves (the owner's variables first, then the call's arra
 
 Every executable is lowered for one device (``device``; see ``_device.py``): its arguments
 are placed there and its results come back there, whatever JAX's default device is.
+``SpmdProgram`` (``_spmd.py``) lowers the same bodies over a mesh of processes.
 
 Small gradients leave the backward packed, one buffer per dtype (``grad_pack``), as small
 residuals leave the forward: a call then costs per buffer, not per parameter.
@@ -35,7 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxside._conventions import conj, distinct, internal_assert, memory_space, output_name
+from flaxside._conventions import (
+    check_output_leaf,
+    conj,
+    distinct,
+    internal_assert,
+    memory_space,
+)
 from flaxside._depends import input_masks, linear_in_cotangent
 from flaxside._device import aval, compiling_for
 from flaxside._leaves import is_key
@@ -107,7 +114,7 @@ class Program:
         self.fence = fence
         self.device = device
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
-        self.grad_pack, buffers = pack_plan([self.specs[i] for i in self.diff_index])
+        self.grad_pack, buffers = self._pack_plan([self.specs[i] for i in self.diff_index])
         self.grad_specs = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
         self.trace_count = 0
         self._lock = threading.RLock()  # compiling the backward asks for the residual map
@@ -156,22 +163,21 @@ class Program:
         out, aux, write_back = self.fn(list(leaves))
         out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
-            if not isinstance(leaf, jax.Array | np.ndarray | bool | int | float | complex):
-                raise TypeError(
-                    f"{self.name}: {output_name(out_treedef, i)} of the function is a "
-                    f"{type(leaf).__name__}, which is not an array: only arrays can cross to "
-                    f"torch. Return arrays (or a tuple/list/dict of arrays), or register "
-                    f"{type(leaf).__name__} as a pytree (flax.struct.dataclass, "
-                    f"jax.tree_util.register_dataclass)."
-                )
-            if isinstance(leaf, jax.Array) and is_key(leaf):
-                raise TypeError(
-                    f"{self.name}: {output_name(out_treedef, i)} of the function is a typed "
-                    f"PRNG key array ({leaf.dtype}), which torch cannot hold. Return "
-                    f"jax.random.key_data(key) instead."
-                )
+            check_output_leaf(leaf, out_treedef, i, self.name)
         results = distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
         return results, _Structure(out_treedef, len(out_leaves), write_back)
+
+    # Hooks that ``SpmdProgram`` (``_spmd.py``) overrides; here, one device.
+    def _pack_plan(self, avals, alone=None):
+        return pack_plan(avals, alone)
+
+    def _place_results(self, results: list) -> list:
+        """The traced results as they leave a program (placed on one device: as they are)."""
+        return results
+
+    def _pull(self, vjp, cotangents) -> list:
+        """The gradients of the ``diff`` leaves for ``cotangents`` (torch's convention)."""
+        return [conj(g) for g in vjp(self._cotangents(cotangents))]
 
     def _traced_results(self, leaves) -> list:
         results, structure = self._results(leaves)
@@ -182,7 +188,7 @@ class Program:
                 f"back must depend on the shapes and dtypes of its inputs alone (no Python "
                 f"state that changes between traces)."
             )
-        return results
+        return self._place_results(results)
 
     def _vjp(self, leaves):
         """``jax.vjp`` over the diff leaves: ``(results, vjp)``."""
@@ -235,7 +241,8 @@ class Program:
         # leave as raw key data and are wrapped again, with the same implementation.
         key_impls = tuple(jax.random.key_impl(r) if is_key(r) else None for r in residuals)
         residuals = [jax.random.key_data(r) if is_key(r) else r for r in residuals]
-        placement, _ = pack_plan(residuals, [memory_space(r) != "device" for r in residuals])
+        placement, _ = self._pack_plan(residuals,
+                                       [memory_space(r) != "device" for r in residuals])
         buffers = pack(residuals, placement)
         residual_map = ResidualMap(
             vjp_treedef=vjp_treedef, sources=sources, saved_inputs=tuple(saved["in"]),
@@ -254,21 +261,21 @@ class Program:
         ]
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
         vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
-        grads = [conj(g) for g in vjp(self._cotangents(cotangents))]
+        grads = self._pull(vjp, cotangents)
         return pack(distinct(grads, list(cotangents) + list(saved_inputs)
                               + list(saved_outputs) + list(residuals)), self.grad_pack)
 
     def _backward_recompute_body(self, leaves, cotangents, *fence):
         self.trace_count += 1
         _, vjp = self._vjp(list(leaves))
-        grads = [conj(g) for g in vjp(self._cotangents(cotangents))]
+        grads = self._pull(vjp, cotangents)
         return pack(distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
 
     def _value_and_grad_body(self, leaves, *fence):
         self.trace_count += 1
         results, vjp = self._vjp(list(leaves))
         spec = self.out_specs[self.diff_out_index[0]]
-        grads = [conj(g) for g in vjp(self._cotangents([jnp.ones(spec.shape, spec.dtype)]))]
+        grads = self._pull(vjp, [jnp.ones(spec.shape, spec.dtype)])
         return results + pack(distinct(grads, list(leaves) + results), self.grad_pack)
 
     # -- compilation -------------------------------------------------------------------
@@ -321,8 +328,7 @@ class Program:
                     exe = self._executables[kind] = self._callable(kind, self.compiled(kind))
         return exe
 
-    @staticmethod
-    def _callable(kind: str, compiled: jax.stages.Compiled) -> Callable[..., list]:
+    def _callable(self, kind: str, compiled: jax.stages.Compiled) -> Callable[..., list]:
         if kind == "forward_with_residuals":
             # Its results are (arrays, Learned(residual map)), the map as the lowering
             # learned it (``residual_map``); a call takes the arrays.
@@ -339,23 +345,29 @@ class Program:
                     exe = self._compiled[kind] = self._compile_program(kind)
         return exe
 
+    def _arg_avals(self, kind: str) -> tuple:
+        """The abstract arguments of program ``kind`` (the fence aside)."""
+        if kind in ("forward", "forward_with_residuals", "value_and_grad"):
+            return (self._avals(self.specs),)
+        if kind == "backward":
+            return self._backward_avals(self.residual_map())
+        if kind == "backward_recompute":
+            return (self._avals(self.specs),
+                    self._avals(self.out_specs[k] for k in self.diff_out_index))
+        raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
+
     def _compile_program(self, kind: str) -> jax.stages.Compiled:
-        if kind == "forward":
-            return self._compile(self._forward_body, self._avals(self.specs))
         if kind == "forward_with_residuals":
             self.residual_map()
             with compiling_for(self.device):
                 return self._fwd_res_lowered.compile()
-        if kind == "backward":
-            return self._compile(self._backward_body,
-                                 *self._backward_avals(self.residual_map()))
-        if kind == "backward_recompute":
-            return self._compile(self._backward_recompute_body, self._avals(self.specs),
-                                 self._avals(self.out_specs[k] for k in self.diff_out_index))
         if kind == "value_and_grad":
             internal_assert(self.scalar_loss, f"value_and_grad of {self.name}, no scalar loss")
-            return self._compile(self._value_and_grad_body, self._avals(self.specs))
-        raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
+        avals = self._arg_avals(kind)
+        bodies = {"forward": self._forward_body, "backward": self._backward_body,
+                  "backward_recompute": self._backward_recompute_body,
+                  "value_and_grad": self._value_and_grad_body}
+        return self._compile(bodies[kind], *avals)
 
     # -- calls -------------------------------------------------------------------------
     def forward(self, leaves: Sequence, *fence) -> list[jax.Array]:

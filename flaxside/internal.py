@@ -22,6 +22,8 @@ from flaxside._program import Program as Program
 from flaxside._specs import LeafSpec as LeafSpec
 from flaxside._specs import ResidualMap as ResidualMap
 from flaxside._specs import is_differentiable as is_differentiable
+from flaxside._spmd import SpmdLayout as SpmdLayout
+from flaxside._spmd import SpmdProgram as SpmdProgram
 
 __all__ = [
     "ARRAY",
@@ -30,6 +32,8 @@ __all__ = [
     "PACK_BYTES",
     "Program",
     "ResidualMap",
+    "SpmdLayout",
+    "SpmdProgram",
     "WriteBack",
     "adapter_for",
     "compile_for_report",

@@ -8,5 +8,6 @@ from torchside._jax_function import JaxFunction as JaxFunction
 from torchside._jax_function import jax_function as jax_function
 from torchside._module import FlaxModule as FlaxModule
 from torchside._recompile import RecompileWarning as RecompileWarning
+from torchside._shard import shard as shard
 
-__all__ = ["FlaxModule", "JaxFunction", "RecompileWarning", "jax_function", "parity"]
+__all__ = ["FlaxModule", "JaxFunction", "RecompileWarning", "jax_function", "parity", "shard"]

@@ -13,7 +13,14 @@ import numpy as np
 import torch
 
 import bridge.internal as bi
-from flaxside.internal import ARRAY, LeafSpec, Program, flat_apply, is_differentiable
+from flaxside.internal import (
+    ARRAY,
+    LeafSpec,
+    Program,
+    SpmdProgram,
+    flat_apply,
+    is_differentiable,
+)
 from torchside import _checks
 from torchside._resolve import TensorMeta, arg_names
 
@@ -44,7 +51,7 @@ class Built(NamedTuple):
     unpack: tuple | None
 
 
-def build(settings, sig, values, monitor) -> Built:
+def build(settings, sig, values, monitor, spmd=None) -> Built:
     """Compiles the programs for one signature.
 
     Reads only the signature (shapes, dtypes, devices, grad flags) besides the static
@@ -55,6 +62,8 @@ def build(settings, sig, values, monitor) -> Built:
         sig: the call's ``Signature``.
         values: every leaf of ``(args, kwargs)``; the static ones are baked in.
         monitor: the owner's ``RecompileMonitor``, told about the new signature.
+        spmd: the owner's ``torchside._shard.ShardPlan`` when it is sharded: the programs
+            are then SPMD over its mesh (NOTE [Sharded blocks]).
     """
     where = settings.where
     n_vars = len(sig.variables)
@@ -91,7 +100,12 @@ def build(settings, sig, values, monitor) -> Built:
                       for s, v in zip(sig.statics, values, strict=True))
         fn = flat_apply(settings.make_apply(sig.mode), settings.state_treedef, sig.arg_treedef,
                         slots)
-        program = Program(fn, specs, name=where, fence=sig.exchange.dlpack, device=jax_device)
+        if spmd is None:
+            program = Program(fn, specs, name=where, fence=sig.exchange.dlpack,
+                              device=jax_device)
+        else:
+            layout = spmd.layout(n_state, n_vars, [len(t.shape) for t in sig.tensors])
+            program = SpmdProgram(fn, specs, layout, name=where, fence=sig.exchange.dlpack)
         _checks.check_output_dtypes(program, where)
         _checks.check_updates(program, names, where)
     except Exception as e:

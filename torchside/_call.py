@@ -174,8 +174,16 @@ class Caller:
         self._by_key: dict[int, Signature] = {}  # torch.compile's graphs name entries by key
         self.held = HeldArrays()
         self._var_keys: dict = {}
+        # torchside._shard.ShardPlan once the owner is sharded; not copied or pickled:
+        # a copy holds DTensor parameters it cannot call.
+        self.spmd = None
         self.compile_id = next(_caller_ids)
         CALLERS[self.compile_id] = self
+
+    def shard(self, plan) -> None:
+        """Calls from now on run SPMD programs over ``plan`` (``torchside._shard``)."""
+        self.clear()
+        self.spmd = plan
 
     def clear(self) -> None:
         """Drops every entry and held array; the next call compiles again."""
@@ -202,7 +210,7 @@ class Caller:
             except KeyError:  # evicted by another thread just now
                 pass
         else:
-            built = _build.build(self.settings, sig, values, self.monitor)
+            built = _build.build(self.settings, sig, values, self.monitor, self.spmd)
             entry = Entry(built, sig.exchange, self.residuals, next(self._keys))
             with self._lock:
                 self._cache[sig] = entry

@@ -195,3 +195,48 @@ def meta_variables(name: str, where: str) -> ValueError:
         f"module before calling it: module.to_empty(device='cpu') (or 'cuda'), then "
         f"module.reset_parameters()."
     )
+
+
+# -- sharded blocks ---------------------------------------------------------------------------
+def shard_without_process_group(where: str) -> RuntimeError:
+    """``shard`` before ``torch.distributed`` is up."""
+    return RuntimeError(
+        f"shard({where}): torch.distributed is not initialized, so there are no ranks to "
+        f"shard over. Call torch.distributed.init_process_group(...) first (torchrun sets "
+        f"the environment it reads)."
+    )
+
+
+def mesh_not_1d(where: str, mesh) -> ValueError:
+    """A mesh of several dimensions."""
+    return ValueError(
+        f"shard({where}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; a block is "
+        f"sharded over one. Pass a one-dimensional DeviceMesh, e.g. "
+        f"init_device_mesh('cuda', (world_size,)), or mesh[dim_name] of a larger one."
+    )
+
+
+def already_sharded(where: str) -> ValueError:
+    """``shard`` twice."""
+    return ValueError(f"shard({where}): the module is already sharded; shard it once.")
+
+
+def jax_backends_started() -> RuntimeError:
+    """JAX made its backends before its distributed runtime could start."""
+    return RuntimeError(
+        "shard: JAX's distributed runtime must start before JAX makes its backends, and "
+        "something in this process already ran JAX (a FlaxModule built off the meta device, "
+        "a JAX computation). Build the model under torch.device('meta') and call shard() "
+        "before anything runs JAX, then to_empty() and reset_parameters(); or call "
+        "jax.distributed.initialize(...) yourself first, with torch's ranks and world."
+    )
+
+
+def jax_world_mismatch(jax_processes: int, world: int) -> RuntimeError:
+    """JAX's distributed runtime started with another world than torch's."""
+    return RuntimeError(
+        f"shard: JAX's distributed runtime has {jax_processes} processes but torch's "
+        f"process group {world}; both must span the same ranks. Start JAX's with "
+        f"num_processes={world} and process_id=torch.distributed.get_rank(), or let shard() "
+        f"start it."
+    )

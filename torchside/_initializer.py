@@ -83,6 +83,29 @@ class Initializer:
             kwargs = _examples(dict(kwargs or {}), "example_kwargs", self.where)
         return self._init(args, kwargs, target)
 
+    def sharded_values(self, out_shardings):
+        """The variables, computed by one jitted program with sharded outputs.
+
+        ``out_shardings`` is a tree like the variables: over a mesh of processes each
+        process computes only its own shards (NOTE [Sharded blocks] in ``_shard.py``). The
+        values are those of ``values``: JAX's random bits do not depend on the sharding.
+        """
+        if self.nnx:
+            from flax import nnx
+
+            def build():
+                return nnx.split(self.module(nnx.Rngs(self.seed)), nnx.Param, ...)[1:]
+
+            return jax.jit(build, out_shardings=out_shardings)()
+        leaves, treedef = jtu.tree_flatten((self.args, self.kwargs))
+
+        def init():  # no array arguments: each process makes its inputs inside
+            full = [jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
+                    else x for x in leaves]
+            return self._init(*jtu.tree_unflatten(treedef, full), None)
+
+        return jax.jit(init, out_shardings=out_shardings)()
+
     def _init(self, args, kwargs, device):
         init_rngs = {"params": jax.random.key(self.seed)}
         init_rngs.update({name: jax.random.key(self.seed + 1 + i)

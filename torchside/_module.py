@@ -210,7 +210,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         """Step 1 of NOTE [Call path] (``_resolve.py``)."""
         return resolve(self._variables(), args, kwargs, mode=self._call_mode(),
                        where=self._caller.where, autocast=self.autocast,
-                       is_param=self._is_param)
+                       is_param=self._is_param, sharded=self._caller.spmd is not None)
 
     def _current_tensors(self) -> list[torch.Tensor]:
         """The variables' tensors now, read as torch modules read them.
@@ -325,24 +325,37 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         device = next((t.device for t in targets), torch.device("cpu"))
         if device.type == "meta":
             raise _errors.reset_on_meta(where)
-        values = self._initializer.values(device)
-        if self._nnx:
-            from flax import nnx
+        plan = self._caller.spmd
+        if plan is not None:  # each rank computes its own shards only
+            shardings = [plan.sharding(d, t.dim()) for d, t in zip(plan.dims, targets,
+                                                                    strict=True)]
+            values = self._initializer.sharded_values(
+                self._adapter.treedef.unflatten(shardings))
+            leaves = [x.addressable_data(0) for x in self._adapter.leaf_values(values)]
+        else:
+            values = self._initializer.values(device)
+            if self._nnx:
+                from flax import nnx
 
-            values = nnx.split(values, nnx.Param, ...)[1:]
-        leaves = self._adapter.leaf_values(values)
+                values = nnx.split(values, nnx.Param, ...)[1:]
+            leaves = self._adapter.leaf_values(values)
         with torch.no_grad():
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                _assign(t, leaf, name)
+                _assign(t, leaf, name, local=plan is not None)
 
 
-def _assign(tensor: torch.Tensor, value, name: str) -> None:
-    """Copies a JAX value into a variable's tensor in place (a DTensor's own shard only)."""
+def _assign(tensor: torch.Tensor, value, name: str, local: bool = False) -> None:
+    """Copies a JAX value into a variable's tensor in place (a DTensor's own shard only).
+
+    ``local``: ``value`` is already this rank's shard (a sharded module's own init).
+    """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     value = jax.device_put(value, bridge.jax_device(tensor.device, name=name))
     source = bridge.to_torch(value, name=name)
-    if isinstance(tensor, DTensor):
+    if local and isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    elif isinstance(tensor, DTensor):
         # Every rank computed the same full value; each keeps the shard its placements
         # give it, without communication.
         source = distribute_tensor(source, tensor.device_mesh, tensor.placements,

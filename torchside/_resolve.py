@@ -114,7 +114,7 @@ def positional(n: int):
 
 
 def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where: str,
-            autocast: str = "off", is_param: tuple = ()) -> Call:
+            autocast: str = "off", is_param: tuple = (), sharded: bool = False) -> Call:
     """Resolves one call of an owner (NOTE [Resolve]).
 
     Args:
@@ -125,11 +125,18 @@ def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where
         where: the owner's name for messages.
         autocast: the owner's autocast behaviour (``AUTOCAST_MODES``; see ``FlaxModule``).
         is_param: per variable, whether it is a parameter (autocast casts those).
+        sharded: the owner is sharded (NOTE [Sharded blocks]): its DTensor parameters are
+            read as their local shards (``to_local()``, whose backward makes the local
+            gradient a DTensor with the parameter's placements).
 
     Raises:
         TypeError: a static argument is unhashable; under ``torch.compile``, an argument
             that is not a positional tensor.
     """
+    if sharded:
+        from torch.distributed.tensor import DTensor
+
+        variables = [v.to_local() if isinstance(v, DTensor) else v for v in variables]
     compiled = torch.compiler.is_compiling()
     if compiled:
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):

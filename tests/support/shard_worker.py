@@ -1,0 +1,135 @@
+"""One process of the sharded-block test: ``torchside.shard`` over gloo ranks.
+
+Run by tests/trainers/test_shard.py as ``python tests/support/shard_worker.py RANK WORLD
+PORT OUT``. The model is ``Sequential(Linear, FlaxModule(deep nn.remat_scan stack),
+Linear)``; the torch layers are built directly from a seed, the Flax block under
+``torch.device("meta")``. With WORLD 1 (the reference) nothing is sharded: the block is
+built directly and trained on the full batch. With two ranks the block is sharded
+(``shard``), materialized (``to_empty``, ``reset_parameters``: each rank initializes its
+own shards), the torch layers are ``fully_shard``-ed, and each rank trains on its half of
+the batch. Each process saves to ``OUT.RANK.pt`` (the reference: ``OUT.ref.pt``) the full
+(gathered) parameters before and after training, the block's local shard shapes, what its
+compiled programs gather (the number of all-gathers inside a loop body and outside any),
+and the bytes they take as arguments; then it saves the trained model with
+torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
+reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``.
+"""
+
+import datetime
+import os
+import re
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from tests.support import pipeline  # noqa: E402
+from tests.support.twins import ReadmeDeep  # noqa: E402
+from torchside import FlaxModule, shard  # noqa: E402
+
+STEPS, BATCH, WIDTH, LENGTHS = 3, 8, 16, (4, 2)
+
+
+def block() -> FlaxModule:
+    return FlaxModule(ReadmeDeep(width=WIDTH, lengths=LENGTHS),
+                      example_args=(torch.zeros(BATCH, WIDTH),), seed=7)
+
+
+def torch_layers():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, WIDTH), torch.nn.Linear(WIDTH, 1)
+
+
+def build(sharded: bool) -> torch.nn.Sequential:
+    first, last = torch_layers()
+    if not sharded:
+        return torch.nn.Sequential(first, block(), last)
+    with torch.device("meta"):
+        flax = block()
+    shard(flax)
+    flax.to_empty(device="cpu")
+    flax.reset_parameters()
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(first, flax, last)
+    fully_shard(model[0])
+    fully_shard(model[2])
+    return model
+
+
+def full(model) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = value.detach().clone()
+    return out
+
+
+def gathers(owner) -> dict:
+    """Per executable the block ran: all-gathers inside loop bodies, all-gathers elsewhere,
+    and the bytes of its arguments (this rank's shards, batch and residuals)."""
+    counts = {}
+    for _, kind, compiled in pipeline.executables_run(owner):
+        text = compiled.as_text()
+        bodies = set(re.findall(r"\bbody=%([\w.\-]+)", text))
+        inside = outside = 0
+        for computation in re.split(r"\n(?=[%A-Z])", text):
+            header = computation.split("\n", 1)[0]
+            name = re.match(r"(?:ENTRY )?%([\w.\-]+)", header)
+            n = len(re.findall(r"\ball-gather(?:-start)?\(", computation))
+            if name and name.group(1) in bodies:
+                inside += n
+            else:
+                outside += n
+        counts[kind] = (inside, outside, compiled.memory_analysis().argument_size_in_bytes)
+    return counts
+
+
+def main(rank: int, world: int, port: str, out: str) -> None:
+    sharded = world > 1
+    if sharded:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+    model = build(sharded)
+    report = {"initial": full(model)}
+    report["local"] = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
+                       for n, p in model[1].named_parameters()}
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, 4, generator=gen)
+        y = torch.randn(BATCH, 1, generator=gen)
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        opt.zero_grad()
+        loss.backward()
+        # The global gradient norm, over DTensor gradients of two meshes on the sharded run.
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor()
+                     if sharded else torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        opt.step()
+    report["final"] = full(model)
+    report["norms"] = torch.stack(norms)
+    report["gathers"] = gathers(model[1])
+    torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
+    # Checkpoints: this run's, and the reference's loaded into this run's layout.
+    dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",
+             no_dist=not sharded)
+    if sharded:
+        dist.barrier()
+        fresh = build(sharded)
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=f"{out}.ref-dcp")
+        fresh.load_state_dict(state)
+        torch.save(full(fresh), f"{out}.{rank}.loaded.pt")
+        dist.barrier()
+        del model, fresh
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

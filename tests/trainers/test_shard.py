@@ -1,0 +1,104 @@
+"""A Flax block sharded over two gloo ranks (``torchside.shard``) against one process.
+
+``tests/support/shard_worker.py`` trains ``Sequential(Linear, FlaxModule(remat_scan
+stack), Linear)`` once in one process on the full batch (the reference: nothing sharded,
+the block built directly) and once on two ranks: the block built on meta, sharded,
+materialized by ``reset_parameters()`` rank by rank, the torch layers under
+``fully_shard``, each rank on its half of the batch. Checked: the initial values equal a
+direct build bit for bit; each rank holds half of every stacked parameter, its layer
+axes whole; every all-gather of the block's programs sits inside a loop body (one layer
+per iteration, never the whole stack); training ends where the reference ends, with the
+same global gradient norms from ``clip_grad_norm_``; and
+``torch.distributed.checkpoint`` reshards both ways (2 ranks -> 1 process, 1 -> 2).
+"""
+
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from tests.support import ROOT
+from tests.support.ranks import run_reference, run_two_ranks
+from tests.support.shard_worker import LENGTHS, build
+from tests.support.twins import ReadmeDeep
+from torchside import FlaxModule, shard
+
+WORKER = ROOT / "tests" / "support" / "shard_worker.py"
+
+
+def _close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for name, value in want.items():  # float32, two partitionings of one sum: scaled
+        torch.testing.assert_close(got[name], value, rtol=1e-5,
+                                   atol=1e-6 * float(value.abs().max()),
+                                   msg=lambda m, name=name: f"{what}, {name}: {m}")
+
+
+def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(tmp_path):
+    out = tmp_path / "run"
+    ref = run_reference(WORKER, out)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    codes = run_two_ranks(WORKER, out, logs)
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    reference = torch.load(f"{out}.ref.pt")
+    ranks = [torch.load(f"{out}.{r}.pt") for r in (0, 1)]
+    for report in ranks:
+        block = {k: v for k, v in report["initial"].items() if k.startswith("1.")}
+        for name, value in block.items():  # the sharded init computes the same bits
+            assert torch.equal(value, reference["initial"][name]), name
+        for name, shape in report["local"].items():
+            whole = tuple(reference["initial"][f"1.{name}"].shape)
+            assert shape[: len(LENGTHS)] == whole[: len(LENGTHS)], (name, shape)  # layers
+            assert sum(a != b for a, b in zip(shape, whole, strict=True)) == 1, (name, shape)
+            assert torch.Size(shape).numel() * 2 == torch.Size(whole).numel(), (name, shape)
+        for kind, (inside, outside, _) in report["gathers"].items():
+            assert inside > 0 and outside == 0, (kind, inside, outside)
+        assert set(report["gathers"]) == {"forward_with_residuals", "backward"}
+        _close(report["final"], reference["final"], "trained")
+        torch.testing.assert_close(report["norms"], reference["norms"], rtol=1e-5, atol=0)
+    for name, value in ranks[0]["final"].items():
+        assert not torch.equal(value, reference["initial"][name]), f"{name} did not train"
+    # 1 -> 2: the reference's checkpoint, loaded into the sharded layout on each rank.
+    for r in (0, 1):
+        _close(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
+    # 2 -> 1: the sharded run's checkpoint, loaded into one process without a group.
+    single = build(sharded=False)
+    state = single.state_dict()
+    with warnings.catch_warnings():  # DCP says it loads in one process, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=f"{out}.dcp", no_dist=True)
+    single.load_state_dict(state)
+    _close({k: v.detach() for k, v in single.named_parameters()}, ranks[0]["final"],
+           "sharded checkpoint in one process")
+
+
+def test_shard_without_a_process_group_is_refused_by_name():
+    m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"shard\(FlaxModule\(ReadmeDeep\)\): "
+                                           r"torch.distributed is not initialized"):
+        shard(m)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    assert not any(isinstance(p, DTensor) for p in m.parameters())
+
+
+def test_shard_after_jax_made_its_backends_says_how_to_order_it():
+    """JAX's distributed runtime must come first; this process ran JAX long ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
+        with pytest.raises(RuntimeError, match=r"distributed runtime must start before JAX "
+                                               r"makes its backends.*torch.device\('meta'\)"):
+            shard(m)
+        assert not any(isinstance(p, DTensor) for p in m.parameters())
+    finally:
+        dist.destroy_process_group()
