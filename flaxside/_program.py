@@ -93,6 +93,7 @@ class Program:
         write_back: the ``write_back`` value ``fn`` returned (``flaxside.internal.WriteBack``
             for the torch side: which variables the aux replace, the NNX graph after).
         reads: per leaf, whether any result depends on it.
+        out_reads: per result, a bitmask over leaves of those it depends on.
         grad_pack: where each gradient (``diff_index`` order) sits in what the backward
             programs return (``pack_plan``): small gradients leave packed, one buffer per
             dtype, and ``unpack`` (or views on the torch side) recovers them.
@@ -148,6 +149,7 @@ class Program:
         for m in masks:
             used |= m
         self.reads = tuple(bool(used >> i & 1) for i in range(len(self.specs)))
+        self.out_reads = tuple(masks)  # per result, a bitmask of the leaves it depends on
         self.grad_reach = tuple(
             sum(1 << p for p, i in enumerate(self.diff_index) if masks[k] >> i & 1)
             for k in self.diff_out_index

@@ -11,6 +11,9 @@ from flaxside._adapters import init_linen as init_linen
 from flaxside._conventions import internal_assert as internal_assert
 from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
+from flaxside._higher import batched_function as batched_function
+from flaxside._higher import jvp_function as jvp_function
+from flaxside._higher import vjp_function as vjp_function
 from flaxside._leaves import WriteBack as WriteBack
 from flaxside._leaves import key_data_shape as key_data_shape
 from flaxside._leaves import wrap_keys as wrap_keys
@@ -36,13 +39,16 @@ __all__ = [
     "SpmdProgram",
     "WriteBack",
     "adapter_for",
+    "batched_function",
     "compile_for_report",
     "flat_apply",
     "init_linen",
     "internal_assert",
     "is_differentiable",
+    "jvp_function",
     "key_data_shape",
     "program_report",
     "unpack",
+    "vjp_function",
     "wrap_keys",
 ]

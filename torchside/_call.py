@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import jax
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from bridge.internal import HeldArrays, exchange_for
 from torchside import _build, _checks, _errors
@@ -55,6 +56,7 @@ from torchside._function import apply_bridge
 from torchside._options import check_choice, check_positive_int
 from torchside._recompile import RecompileMonitor
 from torchside._resolve import Call
+from torchside._transforms import apply_transformed
 
 jtu = jax.tree_util
 
@@ -128,6 +130,10 @@ class Prepared(NamedTuple):
     entry: Entry
     state_arrays: list
     leaves: list
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 class Caller:
@@ -251,7 +257,7 @@ class Caller:
                          key, call.mode, jax.config.jax_enable_x64, exchange)
 
     def prepare(self, call: Call, grads, var_grads=None, remember: bool = False,
-                draw_rng: bool = True) -> Prepared:
+                draw_rng: bool = True, hold: bool = True) -> Prepared:
         """Step 2 of NOTE [Call path] for ``call``.
 
         Args:
@@ -261,20 +267,29 @@ class Caller:
             remember: see ``lookup``.
             draw_rng: ``False`` never draws a key (the RNG leaf is zeros): for a call that
                 does not run (``memory_report``).
+            hold: ``False`` touches no memory (``state_arrays`` is ``None``): under a
+                torch.func transform the tensors may be wrappers without any.
         """
         try:
             exchange = exchange_for(call.device)
-            state_arrays, changed = self.held.arrays(call.variables, exchange, var_grads)
+            state_arrays, changed = (self.held.arrays(call.variables, exchange, var_grads)
+                                     if hold else (None, False))
         except Exception:
             _checks.explain_state_error(self.settings.var_names, call, self.where)
             raise
         if changed:
             self._var_keys = {}
-        sig = self.signature(call, grads, var_grads, exchange)
+        sig = self.signature(call, grads, var_grads, exchange, cached=hold)
         entry = self.lookup(sig, call.values, remember)
         if entry.has_rng:
-            rng = entry.rng(self.settings.rng_shape, draw_rng)
-            state_arrays.append(exchange.view(rng))
+            try:
+                rng = entry.rng(self.settings.rng_shape, draw_rng)
+            except RuntimeError as e:  # torch.func.vmap(randomness="error")
+                if "randomness" not in str(e):
+                    raise
+                raise _errors.random_under_vmap(self.where) from e
+            if hold:
+                state_arrays.append(exchange.view(rng))
         else:
             rng = None
         return Prepared(entry, state_arrays, entry.leaves(call.variables, rng, call.tensors))
@@ -286,14 +301,25 @@ class Caller:
         """
         if call.arg_treedef is None:  # resolved under torch.compile
             return compiled_call(self, call, write_back)
-        if torch._C._are_functorch_transforms_active():
-            raise _errors.under_torch_func(self.where)
         grad = torch.is_grad_enabled()
-        entry, state_arrays, leaves = self.prepare(
-            call, tuple(grad and t.requires_grad for t in call.tensors))
-        if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
-            results = apply_bridge(entry, self.held, state_arrays, *leaves)
+        grads = tuple(grad and t.requires_grad for t in call.tensors)
+        if torch._C._are_functorch_transforms_active() or _fwAD._current_level >= 0:
+            # NOTE [torch.func]; forward-mode AD (forward_ad's dual tensors) too.
+            # A transform's tangents and cotangents may reach any floating leaf, whatever
+            # its requires_grad says (forward mode sets none): every one is differentiable.
+            entry, _, leaves = self.prepare(
+                call, tuple(map(_floating, call.tensors)),
+                tuple(map(_floating, call.variables)), hold=False)
+            if (entry.write_back.targets and write_back is not None
+                    and torch._C._are_functorch_transforms_active()):
+                raise _errors.write_back_under_transform(
+                    self.where, [entry.names[i] for i in entry.write_back.targets])
+            results = apply_transformed(entry, leaves)
         else:
-            results = entry.forward(state_arrays, leaves).results
+            entry, state_arrays, leaves = self.prepare(call, grads)
+            if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
+                results = apply_bridge(entry, self.held, state_arrays, *leaves)
+            else:
+                results = entry.forward(state_arrays, leaves).results
         apply_write_back(write_back, entry.write_back, results, entry.n_out)
         return jtu.tree_unflatten(entry.out_treedef, results[: entry.n_out])

@@ -176,7 +176,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out), *extra,
                                 *([] if rng is None else [rng]))
     full = entry.leaves(leaves[: entry.n_vars], rng, leaves[entry.n_vars :])
-    save_for_backward(ctx, entry, entry.route(fuse=False), full, results, extra)
+    save_for_backward(ctx, entry, entry.route(fuse=False), full, results, extra, higher=False)
     ctx.caller_id, ctx.key = caller_id, entry.key
 
 

@@ -118,8 +118,8 @@ class Entry:
     __slots__ = ("program", "exchange", "recompute", "fuses", "names", "n_vars", "n_state",
                  "device", "narrow", "has_rng", "rng_used", "write_back", "n_out",
                  "n_results", "out_treedef", "nondiff_out", "diff_out_index", "grad_slots",
-                 "key", "_executables", "_saved", "_zero_cots", "_unreached", "_rng_zeros",
-                 "_unpack")
+                 "key", "derived", "_executables", "_saved", "_kept", "_zero_cots", "_unreached",
+                 "_rng_zeros", "_unpack")
 
     def __init__(self, built, exchange, residuals: str, key: int):
         program = built.program
@@ -141,7 +141,9 @@ class Entry:
         self.grad_slots = program.diff_index
         self.key = key
         self._executables: dict[str, Any] = {}
+        self.derived: dict[str, Any] = {}  # NOTE [Higher order]: callers of derivatives
         self._saved: SavedLayout | None = None
+        self._kept: dict[str, tuple[int, ...]] = {}
         self._zero_cots: dict[int, Any] = {}
         self._unreached: dict[tuple, frozenset] = {}
         self._rng_zeros = None
@@ -177,6 +179,43 @@ class Entry:
                 saved = SavedLayout(rmap.saved_inputs, rmap.saved_outputs, rmap.offloaded)
             self._saved = saved
         return saved
+
+    def kept(self, route: str) -> tuple[int, ...]:
+        """Leaves the forward saves besides what its first-order backward reads.
+
+        A derivative of the backward reads every leaf (NOTE [Higher order] in
+        ``_higher.py``); state the owner overwrites after the forward is not saved.
+        """
+        kept = self._kept.get(route)
+        if kept is None:
+            skip = set(self.write_back.targets)
+            if route == "residuals":
+                skip.update(self.saved.inputs)
+            kept = () if route == "recompute" else tuple(
+                i for i in range(len(self.names)) if i not in skip)
+            self._kept[route] = kept
+        return kept
+
+    def all_leaves(self, route: str, saved, kept, state: dict) -> list:
+        """Every leaf for a derivative of the backward: saved, kept, then current state."""
+        if route == "recompute":
+            return list(saved)
+        leaves = [None] * len(self.names)
+        if route == "residuals":
+            for j, t in zip(self.saved.inputs, saved, strict=False):
+                leaves[j] = t
+        for i, t in zip(self.kept(route), kept, strict=True):
+            leaves[i] = t
+        for i, t in state.items():
+            leaves[i] = t
+        return leaves
+
+    def reads_overwritten_state(self) -> str | None:
+        """The name of a written-back state leaf a differentiable output depends on."""
+        for i in self.write_back.targets:
+            if any(self.program.out_reads[k] >> i & 1 for k in self.diff_out_index):
+                return self.names[i]
+        return None
 
     # -- leaves ------------------------------------------------------------------------------
     def leaves(self, variables, rng, tensors) -> list:
@@ -223,11 +262,14 @@ class Entry:
                                for j, t in enumerate(leaves[self.n_state :], self.n_state)]
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, state_arrays: list, leaves, fuse: bool = False,
-                wait: bool = True) -> Forward:
-        """Runs the forward program of this call's route (``route(fuse)``)."""
+    def forward(self, state_arrays: list, leaves, fuse: bool = False, wait: bool = True,
+                plain: bool = False) -> Forward:
+        """Runs the forward program of this call's route (``route(fuse)``).
+
+        ``plain``: the plain forward whatever the route (its backward recomputes).
+        """
         arrays = self.program_arrays(state_arrays, leaves)
-        route = self.route(fuse)
+        route = "plain" if plain else self.route(fuse)
         out, tensors = self.run(_FORWARD_PROGRAM[route], arrays, wait=wait)
         pending = [] if wait else out
         n = self.n_results

@@ -123,24 +123,33 @@ def update_mismatch(name: str, update, held, where: str) -> TypeError:
 
 
 # -- autograd -----------------------------------------------------------------------------
-def under_torch_func(where: str) -> NotImplementedError:
-    """A call under a ``torch.func`` transform."""
-    return NotImplementedError(
-        f"{where}: called under a torch.func transform (vmap, grad, jacrev, ...), whose "
-        f"tensors have no memory JAX can read. Call it outside the transform, or apply the "
-        f"JAX transform (jax.vmap, jax.grad) inside a jax_function."
+def higher_order_after_write_back(where: str, name: str) -> RuntimeError:
+    """A derivative of a backward whose forward's state was overwritten since."""
+    return RuntimeError(
+        f"{where}: differentiating this call's backward (create_graph=True, torch.func) "
+        f"recomputes its forward, whose differentiable outputs read the state '{name}', "
+        f"which the forward itself updated in place since. Build the module with "
+        f"residuals='recompute' (it keeps the forward's copy of that state), or call it "
+        f"in eval() mode."
     )
 
 
-def create_graph(where: str) -> NotImplementedError:
-    """A backward with ``create_graph=True``, which would need the second derivative."""
+def modified_for_higher_order(where: str, name: str) -> RuntimeError:
+    """A leaf written in place between the forward and a derivative of its backward."""
+    return RuntimeError(
+        f"{where}: '{name}' was modified by an inplace operation after the forward, and "
+        f"differentiating this call's backward (create_graph=True, torch.func) recomputes "
+        f"the forward from it. Modify a clone, or take the derivative before the write."
+    )
+
+
+def no_forward_mode(where: str) -> NotImplementedError:
+    """Forward-mode AD of a function JAX has no forward-mode rule for."""
     return NotImplementedError(
-        f"{where}: backward with create_graph=True (a gradient penalty, a Hessian-vector "
-        f"product, MAML) needs the second derivative of this call, which is not "
-        f"implemented: its backward is a compiled JAX VJP that torch cannot differentiate. "
-        f"Compute the higher-order term inside JAX (e.g. a jax_function that returns "
-        f"jax.grad of the inner loss, so torch needs only its first derivative), or "
-        f"differentiate without create_graph."
+        f"{where}: forward-mode differentiation (torch.func.jvp, jacfwd, forward_ad) runs "
+        f"jax.jvp, and the function holds a jax.custom_vjp, which defines reverse mode "
+        f"only. Use reverse mode (torch.func.vjp, jacrev), or give the custom rule a "
+        f"jax.custom_jvp instead."
     )
 
 
@@ -239,4 +248,25 @@ def jax_world_mismatch(jax_processes: int, world: int) -> RuntimeError:
         f"process group {world}; both must span the same ranks. Start JAX's with "
         f"num_processes={world} and process_id=torch.distributed.get_rank(), or let shard() "
         f"start it."
+    )
+
+
+def write_back_under_transform(where: str, names: list) -> NotImplementedError:
+    """A call that writes state back, under a ``torch.func`` transform."""
+    return NotImplementedError(
+        f"{where} under a torch.func transform: the call writes back the state {names} "
+        f"(batch statistics, counters) into the module's buffers, which a transform may "
+        f"not mutate (and under vmap a batch of calls would give one update per batch "
+        f"entry). Call the module in eval() mode there (its state is then read only), or "
+        f"keep the statistics inside the transformed function."
+    )
+
+
+def random_under_vmap(where: str) -> RuntimeError:
+    """A call that draws an RNG key under ``vmap(randomness="error")``."""
+    return RuntimeError(
+        f"{where} under torch.func.vmap draws a key for its RNG streams (dropout), and "
+        f"vmap's randomness='error' (its default) refuses random draws. Pass "
+        f"randomness='different' (a key per batch entry) or 'same' (one key for all), or "
+        f"call the module in eval() mode."
     )

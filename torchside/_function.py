@@ -27,13 +27,24 @@ from torchside._entry import Entry
 # ``torch.no_grad()``). ``torch.compile`` calls take the "residuals" route.
 
 
-def save_for_backward(ctx, entry: Entry, route: str, leaves, results, extra) -> None:
+def save_for_backward(ctx, entry: Entry, route: str, leaves, results, extra,
+                      higher: bool = True) -> None:
     """Saves what the backward of ``entry`` reads on ``route``; both edges share it.
 
     ``ctx.save_for_backward`` makes torch's saved-tensor hooks, ``save_on_cpu`` and
     non-reentrant checkpointing see exactly what is held, and in-place writes to anything
     the backward reads raise torch's version-counter error. ``extra``: ``Forward.extra``.
+    ``higher``: also keep, outside what torch saves, the leaves a derivative of the
+    backward reads and the first order does not (``Entry.kept``), with their versions,
+    and the state the owner overwrites: NOTE [Higher order] in ``_higher.py``. They are
+    inputs of this call, upstream of its node, so no reference cycle forms; saved-tensor
+    hooks (``save_on_cpu``) never see them, so a first-order step holds and moves exactly
+    what it did.
     """
+    kept = tuple(leaves[i] for i in entry.kept(route)) if higher else ()
+    ctx.kept = kept
+    ctx.kept_versions = tuple(t._version for t in kept)
+    ctx.state = {i: leaves[i] for i in entry.write_back.targets} if higher else {}
     if route == "fused":  # NOTE [Scalar loss]: the gradient buffers are what is held
         ctx.save_for_backward(*extra)
     elif route == "recompute":
@@ -91,24 +102,19 @@ class BridgeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         entry = ctx.entry
-        if torch.is_grad_enabled():
-            if any(_functorch_wrapped(g) for g in grads):  # torch.func.grad runs us so
-                raise _errors.under_torch_func(entry.program.name)
-            # create_graph=True: torch would differentiate these gradients again, through a
-            # compiled JAX VJP it cannot see into. Refuse now. A lazy refusal (torch's
-            # once_differentiable) hangs its error node on fresh leaves, off the path to the
-            # parameters: autograd.grad(loss_with_gradient_penalty, params) never reaches it
-            # and silently drops the penalty's gradient.
-            raise _errors.create_graph(entry.program.name)
         cots = [grads[k] for k in entry.diff_out_index]
+        saved = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True (or torch.func.grad): torch differentiates these gradients
+            # again, so they are the outputs of a differentiable call of the VJP, not of a
+            # compiled backward torch cannot see into (NOTE [Higher order]).
+            return (None, None, None, *higher_backward(entry, ctx.route, saved, ctx, cots))
         if ctx.route == "fused":
             if cots[0] is None:  # the loss reached the backward without a gradient
                 return (None,) * (3 + len(entry.names))
-            return (None, None, None,
-                    *entry.gradients(scaled(ctx.saved_tensors, cots[0]), cots))
+            return (None, None, None, *entry.gradients(scaled(saved, cots[0]), cots))
         # The gradients are viewed out of their buffers while the program runs.
-        buffers, pending = entry.backward(ctx.held, ctx.saved_tensors, ctx.reuse, cots,
-                                          wait=False)
+        buffers, pending = entry.backward(ctx.held, saved, ctx.reuse, cots, wait=False)
         try:
             grads = entry.gradients(buffers, cots)
         finally:
@@ -122,6 +128,20 @@ class BridgeFunction(torch.autograd.Function):
 apply_bridge = super(torch.autograd.Function, BridgeFunction).apply
 
 
+def higher_backward(entry: Entry, route: str, saved, ctx, cots) -> list:
+    """The backward as a differentiable call of the VJP (NOTE [Higher order])."""
+    changed = None if route == "recompute" else entry.reads_overwritten_state()
+    if changed is not None:
+        raise _errors.higher_order_after_write_back(entry.program.name, changed)
+    for i, t, version in zip(entry.kept(route), ctx.kept, ctx.kept_versions, strict=True):
+        if t._version != version:  # as torch's check of what it saved
+            raise _errors.modified_for_higher_order(entry.program.name, entry.names[i])
+    from torchside._higher import differentiable_backward  # _higher imports _call
+
+    leaves = entry.all_leaves(route, saved, ctx.kept, ctx.state)
+    return differentiable_backward(entry, leaves, cots)
+
+
 def _keep_graph() -> bool:
     """Whether torch keeps this backward's graph (``retain_graph``), saved tensors included.
 
@@ -131,7 +151,3 @@ def _keep_graph() -> bool:
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if query is None else query()
 
-
-def _functorch_wrapped(tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(isinstance(tensor, torch.Tensor) and check and check(tensor))

@@ -1,9 +1,10 @@
 """Autograd used in ways that could give silent wrong gradients, and what happens instead.
 
-Backward twice, double backward (``create_graph``), ``torch.func`` transforms, in-place
-writes between forward and backward (to outputs, inputs, or parameters by an optimizer
-step), the same tensor passed twice, and state written back by the forward. NaN and Inf:
-calls/test_nan_inf.py. Also elsewhere: an in-place write to a parameter under no_grad
+Backward twice, in-place writes between forward and backward (to outputs, inputs, or
+parameters by an optimizer step), the same tensor passed twice, and state written back
+by the forward. NaN and Inf: calls/test_nan_inf.py; derivatives of the backward
+(``create_graph``) and ``torch.func``: calls/test_higher_order.py and
+calls/test_torch_func.py. Also elsewhere: an in-place write to a parameter under no_grad
 between forward and backward (module/test_module.py::
 test_saved_tensor_hooks_see_residuals_and_inplace_write_is_caught), an output that is an
 input unchanged never aliases it (module/test_module.py::test_output_never_aliases_input).
@@ -28,7 +29,7 @@ from torchside import FlaxModule, jax_function
 MODES = pytest.mark.parametrize("residuals", ["save", "recompute"])
 
 
-# -- backward twice and double backward -------------------------------------------------
+# -- backward twice ---------------------------------------------------------------------
 
 
 @MODES
@@ -44,47 +45,6 @@ def test_backward_twice_gives_torchs_error_and_retain_graph_accumulates(residual
         torch.testing.assert_close(b, 2 * a)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.backward(ct)
-
-
-@MODES
-@pytest.mark.parametrize("wrt", ["input", "parameters"])
-def test_create_graph_raises_instead_of_a_silent_zero_second_derivative(residuals, wrt):
-    """torch's once_differentiable returns plain tensors when the cotangent needs no grad:
-    a gradient penalty on them would add nothing to the loss's gradient, silently."""
-    m = residual_block_module(residuals=residuals)
-    x = torch.randn(4, 8, requires_grad=True)
-    ct = torch.randn(4, 8)
-    y = m(x)
-    with pytest.raises(NotImplementedError, match=r"FlaxModule\(ResidualMLPBlock\): backward "
-                       r"with create_graph=True.*not implemented.*jax\.grad"):
-        torch.autograd.grad(y, [x] if wrt == "input" else list(m.parameters()), ct,
-                            create_graph=True)
-    # The refusal leaves the graph and the module usable: a plain backward is right.
-    y.backward(ct)
-    _, vjp = jax.vjp(ResidualMLPBlock(8).apply, m.flax_variables(), to_jax(x))
-    gv, gx = vjp(to_jax(ct))
-    torch.testing.assert_close(x.grad, to_torch(gx))
-    for p, g in zip(list(m.parameters()), jax.tree_util.tree_leaves(gv), strict=True):
-        torch.testing.assert_close(p.grad, to_torch(g))
-
-
-def test_create_graph_with_a_cotangent_that_requires_grad_raises():
-    f = jax_function(lambda x, w: jnp.tanh(x @ w))
-    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
-    ct = torch.randn(3, 2, requires_grad=True)  # the double-backward trick for a JVP
-    with pytest.raises(NotImplementedError, match=r"jax_function\(<lambda>\): backward with"):
-        torch.autograd.grad(f(x, w), x, ct, create_graph=True)
-    with pytest.raises(NotImplementedError, match="create_graph=True"):
-        torch.autograd.functional.jvp(lambda x: f(x, w), x, torch.randn(3, 4))
-
-
-def test_torch_func_transforms_are_refused_clearly():
-    f = jax_function(jnp.sin)
-    with pytest.raises(NotImplementedError, match=r"torch\.func transform.*jax\.vmap"):
-        torch.func.vmap(f)(torch.ones(3, 2))
-    with pytest.raises(NotImplementedError, match=r"torch\.func transform"):
-        torch.func.grad(lambda t: f(t).sum())(torch.ones(3))
-    torch.testing.assert_close(f(torch.ones(3)), torch.sin(torch.ones(3)))  # still usable
 
 
 # -- aliasing: in-place writes between forward and backward -----------------------------

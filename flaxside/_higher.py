@@ -1,0 +1,80 @@
+"""A program's derivatives as plain JAX functions, for derivatives of any order.
+
+NOTE [Higher order]. A torch caller that differentiates a call again (``create_graph``,
+``torch.func``) needs the call's derivatives as functions it can call, and differentiate,
+in turn. Each function here is built from a ``Program``'s own traced body, so it computes
+exactly what the program's first-order executables compute:
+
+* ``vjp_function(program)``: ``f(leaves, cotangents) -> gradients`` of the ``diff`` leaves
+  (torch's convention for complex leaves), the forward recomputed inside;
+* ``jvp_function(program)``: ``g(leaves, tangents) -> (outputs, output tangents)`` for the
+  differentiable outputs (forward mode: ``jax.jvp``);
+* ``batched_function(program, in_axes, rng_axis)``: the program's results under
+  ``jax.vmap`` (for torch.func's ``vmap``).
+
+Each is an ordinary JAX function: the torch side wraps it in a call of its own, whose
+backward is the VJP of this one, and so on, to any order JAX can differentiate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from flaxside._conventions import conj
+from flaxside._program import Program
+
+
+def vjp_function(program: Program) -> Callable:
+    """``f(leaves, cotangents)``: the gradients of ``program``'s ``diff`` leaves.
+
+    ``cotangents`` holds one array per differentiable output (``diff_out_index``).
+    """
+
+    def f(leaves, cotangents):
+        _, vjp = program._vjp(list(leaves))
+        return program._pull(vjp, list(cotangents))
+
+    return f
+
+
+def jvp_function(program: Program) -> Callable:
+    """``g(leaves, tangents)``: results and the tangents of the differentiable outputs.
+
+    ``tangents`` holds one array per ``diff`` leaf (``diff_index``). Raises JAX's error
+    where the function has no forward-mode rule (a ``jax.custom_vjp``).
+    """
+
+    def g(leaves, tangents):
+        leaves = list(leaves)
+
+        def diff_only(*diff):
+            full = list(leaves)
+            for i, x in zip(program.diff_index, diff, strict=True):
+                full[i] = x
+            results = program._traced_results(full)
+            return [results[k] for k in program.diff_out_index]
+
+        primals = [leaves[i] for i in program.diff_index]
+        outs, tangents_out = jax.jvp(diff_only, primals, [
+            conj(t) for t in tangents])
+        return list(outs), [conj(t) for t in tangents_out]
+
+    return g
+
+
+def batched_function(program: Program, in_axes: tuple) -> Callable:
+    """``h(leaves)``: ``program``'s results under ``jax.vmap``.
+
+    ``in_axes``: per leaf, its batch axis or ``None``; every result is batched on axis 0.
+    """
+
+    def h(leaves):
+        def one(*leaves):
+            return program._traced_results(list(leaves))
+
+        return jax.vmap(one, in_axes=tuple(in_axes), out_axes=0)(*leaves)
+
+    return h
+
