@@ -23,6 +23,7 @@ TINY_ARGS = {
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
     "benchmark.py": ["--smoke", "--out", "{out}"],
     "exit_aborts.py": ["--runs", "1"],
+    "pinn.py": ["--steps", "40", "--points", "64", "--out", "{out}"],
     "train_lm.py": ["--steps", "30", "--layers", "2", "--width", "32", "--heads", "2",
                     "--batch", "8", "--context", "16", "--eval-batches", "2",
                     "--sample-chars", "40", "--log-every", "10"],
@@ -102,6 +103,15 @@ def _check_benchmark(done, out) -> None:
         assert r["held"]["remat dots"] < r["held"]["plain"], r
 
 
+def _check_pinn(done, out) -> None:
+    """Third derivatives through the Flax trunk train it: the error against the exact
+    solution falls, and the plot is written."""
+    start = float(re.search(r"relative error at start ([\d.]+)", done.stdout).group(1))
+    final = float(re.search(r"final relative L2 error ([\d.]+)", done.stdout).group(1))
+    assert final < 0.5 * start, done.stdout
+    assert (out / "pinn.png").exists()
+
+
 def _check_exit_aborts(done, out) -> None:
     assert "exit handler registered: 0 of 1 exits aborted" in done.stdout, done.stdout
 
@@ -111,6 +121,7 @@ CHECKS = {
     "benchmark.py": _check_benchmark,
     "train_lm.py": _check_train_lm,
     "exit_aborts.py": _check_exit_aborts,
+    "pinn.py": _check_pinn,
 }
 
 
