@@ -329,3 +329,30 @@ def test_programs_are_compiled_for_the_tensors_device():
                                                         exe.output_shardings))
                   for d in s.device_set}
         assert placed == {RIGHT}, (name, kind, placed)
+
+
+# -- derivatives of the backward and torch.func ----------------------------------------------
+def _sin3(x, w):
+    return jnp.sum(jnp.sin(x @ w) ** 3)
+
+
+def test_second_derivatives_and_torch_func_run_on_the_tensors_device():
+    """The derived calls (NOTE [Higher order]) and the transformed ones (NOTE [torch.func])
+    compile for the tensors' device too, and match pure JAX placed there."""
+    f = jax_function(_sin3)
+    x, w = torch.randn(3, 4).to(TORCH), torch.randn(4, 2).to(TORCH)
+    watch = Placement()
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(xg, w), xg, create_graph=True)
+    g.pow(2).sum().backward()
+    with reference_on(RIGHT):
+        want = jax.grad(lambda x: (jax.grad(_sin3)(x, _j(w)) ** 2).sum())(_j(x))
+        per_row = jax.vmap(jax.grad(_sin3), in_axes=(0, None))(_j(x)[:, None], _j(w))
+    _on_right((want, per_row))
+    _close(xg.grad, want, "second derivative")
+    got = torch.func.vmap(torch.func.grad(f), in_dims=(0, None))(x[:, None], w)
+    assert got.device == TORCH
+    _close(got, per_row, "vmap(grad)")
+    programs = pipeline.derived_programs(f)
+    assert programs and all(p.device == RIGHT for p in programs)
+    watch.check()

@@ -126,3 +126,25 @@ def test_dropped_gradients_from_jax_are_not_reused_before_torch_reads_them():
         for got, want in zip(late, expected, strict=True):
             assert torch.equal(got, want)
         m.zero_grad()
+
+
+def test_a_gradient_penalty_on_cuda_equals_the_cpu():
+    """Catches derived calls (NOTE [Higher order]) that compute on the wrong device, read
+    a cotangent before torch wrote it, or drop the second derivative: a WGAN-GP step on
+    CUDA against the same module on the CPU, in full float32; zero, what a dropped second
+    derivative gives the parameters, is the negative control."""
+    def step(m, x):
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(m(xi).sum(), xi, create_graph=True)
+        ((gx.norm(dim=1) - 1) ** 2).mean().backward()
+        return [p.grad.detach().cpu().clone() for p in m.parameters()]
+
+    with highest_precision():
+        m = FlaxModule(RematScanStack(64, (2, 2)), example_args=(torch.zeros(32, 64),))
+        x = torch.randn(32, 64)
+        on_cpu = step(m, x)
+        m.cuda()
+        on_cuda = step(m, x.cuda())
+    for k, (got, want) in enumerate(zip(on_cuda, on_cpu, strict=True)):
+        close(got.cuda(), want.numpy(), f"parameter {k}", wrong=[0 * want.numpy()])

@@ -70,3 +70,10 @@ def variables_from(module, values: list):
     ``values`` holds one array per ``module.named_parameters()``, in that order.
     """
     return module._adapter.variables(values)
+
+
+def derived_programs(owner) -> list:
+    """The programs of the calls derived from the owner's (NOTE [Higher order]: a
+    backward differentiated again, torch.func's vmap), in entry order."""
+    return [e.program for entry in entries(owner) for caller in entry.derived.values()
+            for e in caller.entries]
