@@ -16,6 +16,7 @@ import pytest
 import torch
 from flax import nnx
 
+import flaxside
 from tests.support import pipeline
 from tests.support.references import to_jax, to_torch
 from tests.support.twins import NnxResidualMLPBlock, ReadmeDeep
@@ -50,7 +51,21 @@ def _nnx(residuals):
     return FlaxModule(NnxResidualMLPBlock(3, rngs=nnx.Rngs(0)), residuals=residuals)
 
 
-OWNERS = {"linen": _linen, "remat_scan": _stack, "nnx": _nnx}
+class TanhLayer(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, h):
+        return h + jnp.tanh(nn.Dense(self.width)(h))
+
+
+def _remat_stack(residuals):
+    """flaxside's own stack, whose VJP is a jax.custom_vjp: JAX differentiates it again."""
+    stack = flaxside.remat_stack(TanhLayer, 4, lengths=(2, 2), width=3)
+    return FlaxModule(stack, example_args=(torch.zeros(4, 3),), residuals=residuals)
+
+
+OWNERS = {"linen": _linen, "remat_scan": _stack, "nnx": _nnx, "remat_stack": _remat_stack}
 
 
 def _apply(module: FlaxModule):
