@@ -27,6 +27,9 @@ from torchside._entry import Entry
 # ``torch.no_grad()``). ``torch.compile`` calls take the "residuals" route.
 
 
+_NO_STATE: dict = {}  # never written: a call without state shares it
+
+
 def save_for_backward(ctx, entry: Entry, route: str, leaves, results, extra,
                       higher: bool = True) -> None:
     """Saves what the backward of ``entry`` reads on ``route``; both edges share it.
@@ -41,10 +44,11 @@ def save_for_backward(ctx, entry: Entry, route: str, leaves, results, extra,
     hooks (``save_on_cpu``) never see them, so a first-order step holds and moves exactly
     what it did.
     """
-    kept = tuple(leaves[i] for i in entry.kept(route)) if higher else ()
-    ctx.kept = kept
-    ctx.kept_versions = tuple(t._version for t in kept)
-    ctx.state = {i: leaves[i] for i in entry.write_back.targets} if higher else {}
+    index = entry.kept(route) if higher else ()
+    ctx.kept = kept = [leaves[i] for i in index] if index else ()
+    ctx.kept_versions = [t._version for t in kept] if index else ()
+    targets = entry.write_back.targets if higher else ()
+    ctx.state = {i: leaves[i] for i in targets} if targets else _NO_STATE
     if route == "fused":  # NOTE [Scalar loss]: the gradient buffers are what is held
         ctx.save_for_backward(*extra)
     elif route == "recompute":
