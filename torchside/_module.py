@@ -13,7 +13,7 @@ from torchside._initializer import Initializer
 from torchside._options import check_choice
 from torchside._owner import CallerOwner
 from torchside._resolve import AUTOCAST_MODES, Call, resolve
-from torchside._variables import attach_variables
+from torchside._variables import assign, attach_variables
 
 jtu = jax.tree_util
 
@@ -300,7 +300,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
                 raise _errors.flax_shape(name, tuple(leaf.shape), tuple(t.shape))
         with torch.no_grad():
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                _assign(t, leaf, name)
+                assign(t, leaf, name)
 
     def reset_parameters(self) -> None:
         """Computes the initial parameters and buffers again, in place, with the module's seed.
@@ -341,27 +341,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
             leaves = self._adapter.leaf_values(values)
         with torch.no_grad():
             for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                _assign(t, leaf, name, local=plan is not None)
-
-
-def _assign(tensor: torch.Tensor, value, name: str, local: bool = False) -> None:
-    """Copies a JAX value into a variable's tensor in place (a DTensor's own shard only).
-
-    ``local``: ``value`` is already this rank's shard (a sharded module's own init).
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    value = jax.device_put(value, bridge.jax_device(tensor.device, name=name))
-    source = bridge.to_torch(value, name=name)
-    if local and isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    elif isinstance(tensor, DTensor):
-        # Every rank computed the same full value; each keeps the shard its placements
-        # give it, without communication.
-        source = distribute_tensor(source, tensor.device_mesh, tensor.placements,
-                                   src_data_rank=None).to_local()
-        tensor = tensor.to_local()
-    tensor.copy_(source)
+                assign(t, leaf, name, local=plan is not None)
 
 
 def _held_besides_residuals(entry) -> list:

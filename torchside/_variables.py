@@ -66,3 +66,23 @@ def attach_variables(root: torch.nn.Module, names, is_param, values, device: tor
             scope._buffers[keys[-1]] = tensor
         refs.append((scope, keys[-1], param))
     return tuple(refs), tuple(scopes)
+
+
+def assign(tensor: torch.Tensor, value, name: str, local: bool = False) -> None:
+    """Copies a JAX value into a variable's tensor in place (a DTensor's own shard only).
+
+    ``local``: ``value`` is already this rank's shard (a sharded module's own init).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    value = jax.device_put(value, bridge.jax_device(tensor.device, name=name))
+    source = bridge.to_torch(value, name=name)
+    if local and isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    elif isinstance(tensor, DTensor):
+        # Every rank computed the same full value; each keeps the shard its placements
+        # give it, without communication.
+        source = distribute_tensor(source, tensor.device_mesh, tensor.placements,
+                                   src_data_rank=None).to_local()
+        tensor = tensor.to_local()
+    tensor.copy_(source)
