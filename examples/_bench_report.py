@@ -263,3 +263,83 @@ def print_targets(results: dict, extra: list | None = None) -> str:
     title = "Targets (printed, never asserted: timings on a shared machine are noisy)"
     print(title)
     return f"### {title}\n\n" + _table(["target", "measured", "ratio", "verdict"], rows)
+
+
+_KINDS = {"forward_with_residuals": "forward with residuals", "backward": "backward"}
+
+
+def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
+    """Prints the higher-order tables (``_bench_higher.py``).
+
+    Returns:
+        The target rows for the summary, and the printed tables as markdown.
+    """
+    from _bench_higher import FLOOR_TARGET, TARGETS
+
+    title = ("Higher-order steps (median per step), agreement of the parameter gradients "
+             "with pure JAX")
+    print(title)
+    names = ("bridge", "pure JAX", "no bridge", "torch")
+    header = ["workload", *names, "bridge/JAX", "bridge/no bridge", "no bridge/JAX",
+              "max rel diff", "rounds"]
+    table = []
+    for r in rows:
+        t = r["times"]
+        table.append([r["name"], *(fmt_time(t[n]) for n in names),
+                      f"{t['bridge'] / t['pure JAX']:.2f}x",
+                      f"{t['bridge'] / t['no bridge']:.2f}x",
+                      f"{t['no bridge'] / t['pure JAX']:.2f}x",
+                      f"{max(r['mismatch'].values()):.1e}", str(r["rounds"])])
+    md = [f"### {title}", "", _table(header, table), ""]
+    for r in rows:
+        f, c = r["first_call"], r["compile"]
+        line = (f"{r['name']}: {r['describe']}; first call, wall (of which JAX compile): "
+                + ", ".join(f"{n} {fmt_time(f[n])} ({fmt_time(c[n])})" for n in names[:3]))
+        print(f"  {line}")
+        md.append(f"- {line}")
+    print()
+    md.append("")
+    targets = []
+    for r in rows:
+        sub = (f"{r['name']}: each order's programs (compiled by the bridge; arrays each "
+               f"returns, runs per step and time per run on the no-bridge floor, which runs "
+               f"the same schedule), bytes the bridge's step saves for backward, by the order "
+               f"whose call saves them")
+        print(sub)
+        held, seen, lines = r["held"], set(), []
+        for p in r["programs"]:
+            first = p["order"] not in seen
+            seen.add(p["order"])
+            lines.append([str(p["order"]), _KINDS.get(p["kind"], p["kind"]), str(p["compiled"]),
+                          str(p["arrays"]), f"{p['runs']:g}", fmt_time(p["seconds"]),
+                          fmt_time(p["runs"] * p["seconds"]),
+                          fmt_bytes(held.get(p["order"], 0)) if first else ""])
+        lines.append(["torch", "its own ops", "-", "-", "-", "-", "-",
+                      fmt_bytes(held.get("torch", 0))])
+        md += [f"#### {sub}", "", _table(["order", "program", "compiled", "arrays out",
+                                          "runs/step", "time/run", "time/step", "held"], lines),
+               ""]
+        for order, what in r["computes"].items():
+            print(f"  order {order}: {what}")
+            md.append(f"- Order {order}: {what}.")
+        t = r["times"]
+        rest = r["floor_seconds"] - r["program_seconds"] - r["dlpack_seconds"]
+        split = (f"{r['name']}: a floor step timed apart, {fmt_time(r['floor_seconds'])} = JAX "
+                 f"programs {fmt_time(r['program_seconds'])} + DLPack "
+                 f"{fmt_time(r['dlpack_seconds'])} + torch's ops, autograd and Python "
+                 f"{fmt_time(rest)}; in the race the bridge took "
+                 f"{(t['bridge'] - t['no bridge']) * 1e3:+.2f} ms per step vs the floor")
+        print(split)
+        print()
+        md += ["", f"- {split}", ""]
+        for label, other, limit in (("pure JAX jit(grad)", "pure JAX", TARGETS[r["name"]]),
+                                    ("the no-bridge floor", "no bridge", FLOOR_TARGET)):
+            ratio = t["bridge"] / t[other]
+            targets.append([f"{r['name']}: bridge <= {limit}x {label}",
+                            f"{fmt_time(t['bridge'])} vs {fmt_time(t[other])}",
+                            f"{ratio:.2f}x", _verdict(ratio <= limit)])
+        worst = max(r["mismatch"].values())
+        targets.append([f"{r['name']}: every contestant computes the same parameter gradients",
+                        "worst leaf: max |g - pure JAX| / max |pure JAX|", f"{worst:.1e}",
+                        _verdict(worst <= 1e-4)])
+    return targets, "\n".join(md)

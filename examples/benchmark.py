@@ -23,6 +23,12 @@ What this shows:
       loss in torch and inside the Flax module against pure JAX fused and split, and
       against the torch twin.
 
+    * for steps that differentiate a Flax block again from torch (``_bench_higher.py``): a
+      WGAN-GP gradient-penalty step and the PINN step of ``examples/pinn.py`` (third
+      derivatives), the bridge against pure JAX ``jit(grad)``, the same JAX programs run
+      without the bridge, and the torch twin; per order, the programs compiled and run,
+      their times and the bytes held for backward.
+
     It prints a table of ratios with PASS/MISS against the project's targets and writes
     four PNG plots (held bytes, time and compile seconds against depth; time against
     leaves). With ``--docs PATH`` it also writes every printed table, the date, the machine
@@ -63,9 +69,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmark_out", help="folder for plots and json")
     parser.add_argument(
         "--only",
-        default="tiny,medium,deep,leaves,lm,sweep,leafsweep",
+        default="tiny,medium,deep,leaves,lm,higher,sweep,leafsweep",
         help="comma-separated parts to run: tiny, medium, deep, leaves, lm (real models), "
-             "sweep, leafsweep",
+             "higher (gradient penalty, PINN), sweep, leafsweep",
     )
     parser.add_argument(
         "--cpu-dispatch",
@@ -103,12 +109,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
+from _bench_higher import higher_rows  # noqa: E402
 from _bench_leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
 from _bench_lm import lm_rows, print_lm  # noqa: E402
 from _bench_measure import Bridge, PureJax, TorchEager, race  # noqa: E402
 from _bench_report import (  # noqa: E402
     fmt_time,
     plot_sweep,
+    print_higher,
     print_sweep,
     print_targets,
     print_workloads,
@@ -313,7 +321,8 @@ def main() -> None:
         flush=True,
     )
     start = time.perf_counter()
-    results = {"size": size_name, "workloads": [], "lm": [], "sweep": [], "leaf_sweep": None}
+    results = {"size": size_name, "workloads": [], "lm": [], "higher": [], "sweep": [],
+               "leaf_sweep": None}
     for w in workloads(parts, size):
         t0 = time.perf_counter()
         results["workloads"].append(run_workload(w, size))
@@ -327,6 +336,8 @@ def main() -> None:
         t0 = time.perf_counter()
         results["lm"] = lm_rows(size)
         print(f"  LM: GPT-2-shaped models: {time.perf_counter() - t0:.0f} s", flush=True)
+    if "higher" in parts:
+        results["higher"] = higher_rows(size_name, size)
     if "sweep" in parts:
         print(f"  sweep over depths {size['depths']} (width 64, batch 32)", flush=True)
         results["sweep"] = sweep(size["depths"], size)
@@ -350,8 +361,10 @@ def main() -> None:
         path = os.path.join(args.out, "time_vs_leaves.png")
         print(f"wrote {plot_leaf_sweep(results['leaf_sweep'], path)}")
     lm_targets, lm_tables = print_lm(results["lm"], fmt_time) if results["lm"] else ([], "")
-    tables.insert(1, lm_tables)
-    tables.append(print_targets(results, lm_targets))
+    higher_targets, higher_tables = (print_higher(results["higher"]) if results["higher"]
+                                     else ([], ""))
+    tables[1:1] = [lm_tables, higher_tables]
+    tables.append(print_targets(results, lm_targets + higher_targets))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     if args.docs:

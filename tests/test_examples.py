@@ -101,6 +101,14 @@ def _check_benchmark(done, out) -> None:
             "bridge, loss in torch, remat dots", "bridge, loss inside", "torch eager"}, r
         # The remat policy that keeps matmul outputs only holds less than keeping all.
         assert r["held"]["remat dots"] < r["held"]["plain"], r
+    higher = {r["name"]: r for r in results["higher"]}
+    assert set(higher) == {"PENALTY", "PINN"}
+    for r in higher.values():  # same weights and points: one set of parameter gradients
+        assert max(r["mismatch"].values()) < 1e-4, r["mismatch"]
+        assert set(r["times"]) == {"bridge", "pure JAX", "no bridge", "torch"}, r["times"]
+        # The floor runs the programs the bridge compiled, one per order and kind.
+        assert all(p["compiled"] == 1 and p["runs"] >= 1 for p in r["programs"]), r
+    assert max(p["order"] for p in higher["PINN"]["programs"]) == 3
 
 
 def _check_pinn(done, out) -> None:

@@ -1,0 +1,194 @@
+"""The no-bridge floor of the benchmark's higher-order rows (``_bench_higher.py``).
+
+The programs the bridge runs for a derivative of a derivative, built the same way
+(``flaxside.internal``'s ``Program`` over the block, ``vjp_function`` for each further
+order), jitted once and run back to back from torch, arrays crossing by DLPack, with no
+bridge code on the path. ``Node`` is one such JAX function and its programs; ``_Call``
+runs one from torch's autograd (its backward, under ``create_graph``, a ``_Call`` of the
+VJP's programs, as the bridge's is); ``FloorTrunk`` is the PINN's trunk through it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from flaxside.internal import LeafSpec, Program, WriteBack, unpack, vjp_function
+
+jtu = jax.tree_util
+
+
+def _to_jax(t: torch.Tensor):
+    return jax.dlpack.from_dlpack(t.detach().contiguous())
+
+
+class Node:
+    """A JAX function of flat leaves, its ``Program`` per grad flags, and its VJP's node.
+
+    ``runs`` counts program runs by ``(order, kind)``; with ``timed[0]`` set, each adds
+    its seconds to ``seconds``. A node's derivatives share its counters and held arrays.
+    """
+
+    def __init__(self, fn, order: int = 1, parent: Node | None = None):
+        self.fn, self.order = fn, order
+        self.runs = Counter() if parent is None else parent.runs
+        self.seconds = defaultdict(float) if parent is None else parent.seconds
+        self.timed = [False] if parent is None else parent.timed
+        self.held = {} if parent is None else parent.held
+        self._programs, self._derived, self._zeros = {}, {}, {}
+
+    def to_jax(self, t: torch.Tensor):
+        """A parameter's memory is imported once, as the bridge holds it; the rest per call.
+
+        Zero-copy: JAX reads torch's in-place updates (an optimizer's) through it.
+        """
+        start = time.perf_counter()
+        if not isinstance(t, torch.nn.Parameter):
+            out = _to_jax(t)
+        else:
+            held = self.held.get(id(t))
+            if held is None:  # keeps t, so that its id stays its own
+                held = self.held[id(t)] = (t, _to_jax(t))
+            out = held[1]
+        self._spent("dlpack", start)
+        return out
+
+    def to_torch(self, array) -> torch.Tensor:
+        start = time.perf_counter()
+        out = torch.from_dlpack(array)
+        self._spent("dlpack", start)
+        return out
+
+    def _spent(self, key, start: float) -> None:
+        if self.timed[0]:
+            self.seconds[key] += time.perf_counter() - start
+
+    def program(self, leaves, diff) -> Program:
+        key = tuple((tuple(t.shape), t.dtype, d) for t, d in zip(leaves, diff, strict=True))
+        program = self._programs.get(key)
+        if program is None:
+            specs = [LeafSpec(tuple(t.shape), np.dtype(str(t.dtype).removeprefix("torch.")), d)
+                     for t, d in zip(leaves, diff, strict=True)]
+            fn = self.fn
+            program = self._programs[key] = Program(
+                lambda xs: (fn(xs), [], WriteBack()), specs, name=f"order {self.order}")
+        return program
+
+    def derived(self, program: Program) -> Node:
+        """The node of ``vjp_function(program)``: ``f(leaves + cotangents)``."""
+        node = self._derived.get(program)
+        if node is None:
+            vjp, n = vjp_function(program), len(program.specs)
+            node = self._derived[program] = Node(lambda xs: vjp(xs[:n], xs[n:]),
+                                                  self.order + 1, self)
+        return node
+
+    def run(self, program: Program, kind: str, *args) -> list:
+        self.runs[self.order, kind] += 1
+        start = time.perf_counter()
+        out = program.executable(kind)(*args)
+        jax.block_until_ready(out)  # torch reads the results next
+        self._spent((self.order, kind), start)
+        return out
+
+    def profile(self, step, repeats: int) -> float:
+        """Seconds per ``step``, run ``repeats`` times; ``runs`` and ``seconds`` per step."""
+        self.runs.clear()
+        self.seconds.clear()
+        self.timed[0] = True
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        total = time.perf_counter() - start
+        self.timed[0] = False
+        for counter in (self.runs, self.seconds):
+            for key in counter:
+                counter[key] /= repeats
+        return total / repeats
+
+    def arrays_out(self) -> dict:
+        """``(order, kind) -> arrays`` each program returns (results and residuals)."""
+        out = {}
+        for program in self._programs.values():
+            out[self.order, "forward_with_residuals"] = len(program.out_specs) + len(
+                program.residual_map().residual_specs)
+            out[self.order, "backward"] = len(program.grad_specs)
+            out.update(self.derived(program).arrays_out())
+        return out
+
+    def zeros(self, program: Program, k: int):
+        """The cotangent of output ``k`` when torch has none (a JAX array, made once)."""
+        key = (program, k)
+        if key not in self._zeros:
+            s = program.out_specs[k]
+            self._zeros[key] = jnp.zeros(s.shape, s.dtype)
+        return self._zeros[key]
+
+    def backward(self, program: Program, leaves, out, cots) -> list:
+        """Per diff leaf its gradient (torch views), from what the forward returned."""
+        rmap, n = program.residual_map(), len(program.out_specs)
+        cots = [self.zeros(program, k) if c is None else c
+                for k, c in zip(program.diff_out_index, cots, strict=True)]
+        buffers = self.run(program, "backward", [leaves[j] for j in rmap.saved_inputs],
+                           [out[k] for k in rmap.saved_outputs], out[n:], cots)
+        return unpack([self.to_torch(b) for b in buffers], program.grad_pack)
+
+
+class _Call(torch.autograd.Function):
+    """``apply(node, *leaves)``: one program call as an autograd node, as small as it gets.
+
+    Its backward runs the program's backward; under ``create_graph`` it is a ``_Call`` of
+    the VJP's node instead, so torch can differentiate it again (NOTE [Higher order]).
+    """
+
+    @staticmethod
+    def forward(ctx, node, *leaves):
+        program = node.program(leaves, ctx.needs_input_grad[1:])
+        arrays = [node.to_jax(t) for t in leaves]
+        out = node.run(program, "forward_with_residuals", arrays)
+        ctx.node, ctx.program, ctx.arrays, ctx.out = node, program, arrays, out
+        ctx.save_for_backward(*leaves)
+        ctx.set_materialize_grads(False)
+        results = [node.to_torch(a) for a in out[: program.n_out]]
+        ctx.mark_non_differentiable(*(r for r, s in zip(results, program.out_specs,
+                                                        strict=False) if not s.diff))
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        node, program = ctx.node, ctx.program
+        cots = [grads[k] for k in program.diff_out_index]
+        full = [None] * len(program.specs)
+        if torch.is_grad_enabled():
+            cots = [node.to_torch(node.zeros(program, k)) if c is None else c
+                    for k, c in zip(program.diff_out_index, cots, strict=True)]
+            out = _Call.apply(node.derived(program), *ctx.saved_tensors, *cots)
+        else:
+            out = node.backward(program, ctx.arrays, ctx.out,
+                                [None if c is None else node.to_jax(c) for c in cots])
+        for i, g in zip(program.diff_index, out, strict=True):
+            full[i] = g
+        return (None, *full)
+
+
+class FloorTrunk(torch.nn.Module):
+    """``pinn.Trunk`` through ``_Call``: the PINN floor's block."""
+
+    def __init__(self, trunk, bias, kernel):  # trunk: a pinn.Trunk
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor(np.asarray(bias)))
+        self.kernel = torch.nn.Parameter(torch.tensor(np.asarray(kernel)))
+        treedef = jtu.tree_structure({"params": {"stack": {"Dense_0": {"bias": 0,
+                                                                      "kernel": 0}}}})
+        self.node = Node(lambda xs: trunk.apply(jtu.tree_unflatten(treedef, xs[:2]), xs[2]))
+
+    def forward(self, h):
+        return _Call.apply(self.node, self.bias, self.kernel, h)[0]
+
+
+# -- contestants --------------------------------------------------------------------------
