@@ -7,8 +7,10 @@ FlaxModule holding a ``nn.remat_scan`` stack, a torch Linear) is built under
 moved to the CPU with ``to_empty`` and initialized by ``reset_parameters()`` on every
 module that has it, FSDP2's recipe. Each rank writes to ``OUT.RANK.pt``: per Flax
 parameter whether its gathered value equals the same FlaxModule built directly on this
-rank, its local shard's shape, every parameter's initial value (gathered), and the Flax
-block's gradients (gathered) of one step on a batch of 8 split over the ranks.
+rank, its local shard's shape, every parameter's initial value (gathered), the Flax
+block's gradients (gathered) of one step on a batch of 8 split over the ranks, and the
+parameters after that SGD step; the sharded model is then saved with
+torch.distributed.checkpoint to ``OUT.dcp``.
 """
 
 import datetime
@@ -19,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
@@ -58,6 +61,9 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     loss.backward()
     report["loss"] = loss.detach()
     report["grads"] = {n: p.grad.full_tensor() for n, p in model[1].named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    report["final"] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    dcp.save(model.state_dict(), checkpoint_id=f"{out}.dcp")  # each rank its shards
     torch.save(report, f"{out}.{rank}.pt")
     del model
     dist.destroy_process_group()

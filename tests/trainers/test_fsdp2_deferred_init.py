@@ -4,12 +4,15 @@ Two gloo ranks run ``tests/support/deferred_init_worker.py``. The Flax block's v
 ``reset_parameters()`` must equal a block built directly, bit for bit, while each rank
 keeps only its shard; one step's Flax gradients must equal a single process's on the
 full batch from the same initial weights (FSDP2 averages the ranks' gradients, and each
-rank's loss is the mean over its half of the batch).
+rank's loss is the mean over its half of the batch); and the sharded model's
+``torch.distributed.checkpoint``, saved by 2 ranks, loads into one process as it was.
 """
 
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.support.ranks import run_two_ranks
 from tests.support.twins import ReadmeDeep
@@ -43,3 +46,16 @@ def test_meta_sharded_then_reset_equals_a_direct_build_and_trains_like_one_proce
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(scale, 1e-3),
                                        msg=name)
+    # The FSDP2 checkpoint of 2 ranks, loaded into one process, is what the ranks held.
+    single = torch.nn.Sequential(
+        torch.nn.Linear(8, 8),
+        FlaxModule(ReadmeDeep(width=8, lengths=(2, 2)), example_args=(torch.zeros(4, 8),)),
+        torch.nn.Linear(8, 1))
+    state = single.state_dict()
+    with warnings.catch_warnings():  # DCP says it loads in one process, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=f"{out}.dcp", no_dist=True)
+    single.load_state_dict(state)
+    for name, value in single.state_dict().items():
+        assert torch.equal(value, reports[0]["final"][name]), name
+    assert any(not torch.equal(reports[0]["final"][n], v) for n, v in initial.items())
