@@ -33,12 +33,6 @@ class HeldSlot(NamedTuple):
     exchange: object
     array: object
 
-    def holds(self, tensor: torch.Tensor, exchange) -> bool:
-        """Whether ``array`` is ``tensor``'s memory as JAX reads it (same layout too)."""
-        return (self.array is not None and self.pointer == tensor.data_ptr()
-                and self.exchange is exchange and self.dtype is tensor.dtype
-                and self.shape == tensor.shape and in_place(tensor))
-
 
 class HeldArrays:
     """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
@@ -95,7 +89,11 @@ class HeldArrays:
         copies.
         """
         s = self.slots[slot] if slot < len(self.slots) else None
-        if s is not None and s.holds(tensor, exchange):
+        # Whether the slot's array is ``tensor``'s memory as JAX reads it (same layout
+        # too); written out rather than a method: it runs per leaf in every backward.
+        if (s is not None and s.array is not None and s.pointer == tensor.data_ptr()
+                and s.exchange is exchange and s.dtype is tensor.dtype
+                and s.shape == tensor.shape and in_place(tensor)):
             return s.array
         return exchange.view(tensor)
 
