@@ -70,15 +70,17 @@ _KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recomp
 COMPUTES = {
     "PENALTY": {
         1: "the critic's forward; its residuals are never read (the loss reads gx only)",
-        2: "the VJP: recomputes the critic's forward, then gx; backward: the VJP of the "
-           "VJP from its residuals",
+        2: "the VJP for gx alone (no weight gradients: the penalty reads none): "
+           "recomputes the critic's forward, then gx; backward: the VJP of the VJP from "
+           "its residuals",
     },
     "PINN": {
         1: "the trunk's forward (remat_scan: keeps the carries); backward recomputes "
            "each layer",
-        2: "the VJP (the first derivative): recomputes the trunk's forward",
-        3: "the VJP of the VJP (the Laplacian's second derivative): recomputes the "
-           "forward and the VJP",
+        2: "the VJP for the input alone (the first derivative): recomputes the trunk's "
+           "forward",
+        3: "the VJP of the VJP for the input alone (the Laplacian's second derivative): "
+           "recomputes the forward and the VJP",
     },
 }
 
@@ -179,7 +181,7 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
     node = Node(lambda xs: critic.apply({"params": jtu.tree_unflatten(treedef, xs[:n])},
                                          xs[n]))
     first = node.program([*params, x_f], (True,) * (n + 1))
-    vjp_node = node.derived(first)
+    vjp_node = node.derived(first, (n,))  # x's gradient alone: what the penalty reads
     ones = torch.ones(batch, 1)
     second = vjp_node.program([*params, x_f, ones], (True,) * (n + 1) + (False,))
 
@@ -188,11 +190,9 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
         node.run(first, "forward_with_residuals", arrays)  # y; the bridge runs it too
         arrays.append(node.to_jax(torch.ones(batch, 1)))  # y.sum()'s cotangent
         res = vjp_node.run(second, "forward_with_residuals", arrays)
-        gx = node.to_torch(res[n]).requires_grad_()
+        gx = node.to_torch(res[0]).requires_grad_()
         ((gx.norm(dim=1) - 1) ** 2).mean().backward()
-        # Only x's gradient (output n) reaches the loss; every other output's is zero.
-        cots = [node.to_jax(gx.grad) if k == n else None for k in second.diff_out_index]
-        grads = vjp_node.backward(second, arrays, res, cots)
+        grads = vjp_node.backward(second, arrays, res, [node.to_jax(gx.grad)])
         for p, g in zip([*params, x_f], grads, strict=True):
             p.grad = g
 

@@ -79,13 +79,13 @@ class Node:
                 lambda xs: (fn(xs), [], WriteBack()), specs, name=f"order {self.order}")
         return program
 
-    def derived(self, program: Program) -> Node:
-        """The node of ``vjp_function(program)``: ``f(leaves + cotangents)``."""
-        node = self._derived.get(program)
+    def derived(self, program: Program, wanted: tuple | None) -> Node:
+        """The node of ``vjp_function(program, wanted)``: ``f(leaves + cotangents)``."""
+        node = self._derived.get((program, wanted))
         if node is None:
-            vjp, n = vjp_function(program), len(program.specs)
-            node = self._derived[program] = Node(lambda xs: vjp(xs[:n], xs[n:]),
-                                                  self.order + 1, self)
+            vjp, n = vjp_function(program, wanted), len(program.specs)
+            node = self._derived[program, wanted] = Node(lambda xs: vjp(xs[:n], xs[n:]),
+                                                          self.order + 1, self)
         return node
 
     def run(self, program: Program, kind: str, *args) -> list:
@@ -118,7 +118,9 @@ class Node:
             out[self.order, "forward_with_residuals"] = len(program.out_specs) + len(
                 program.residual_map().residual_specs)
             out[self.order, "backward"] = len(program.grad_specs)
-            out.update(self.derived(program).arrays_out())
+            for (p, _), node in self._derived.items():
+                if p is program:
+                    out.update(node.arrays_out())
         return out
 
     def zeros(self, program: Program, k: int):
@@ -165,15 +167,31 @@ class _Call(torch.autograd.Function):
         cots = [grads[k] for k in program.diff_out_index]
         full = [None] * len(program.specs)
         if torch.is_grad_enabled():
+            # Only the gradients the running backward reads, as the bridge does.
+            edges = ctx.next_functions
+            wanted = tuple(p for p, i in enumerate(program.diff_index)
+                           if _executes(edges[i][0]))
             cots = [node.to_torch(node.zeros(program, k)) if c is None else c
                     for k, c in zip(program.diff_out_index, cots, strict=True)]
-            out = _Call.apply(node.derived(program), *ctx.saved_tensors, *cots)
+            key = None if len(wanted) == len(program.diff_index) else wanted
+            out = _Call.apply(node.derived(program, key), *ctx.saved_tensors, *cots)
+            index = [program.diff_index[p] for p in wanted]
         else:
             out = node.backward(program, ctx.arrays, ctx.out,
                                 [None if c is None else node.to_jax(c) for c in cots])
-        for i, g in zip(program.diff_index, out, strict=True):
+            index = program.diff_index
+        for i, g in zip(index, out, strict=True):
             full[i] = g
         return (None, *full)
+
+
+def _executes(node) -> bool:
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a node autograd.grad captures its result at: read
+        return True
 
 
 class FloorTrunk(torch.nn.Module):

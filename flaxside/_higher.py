@@ -5,8 +5,9 @@ NOTE [Higher order]. A torch caller that differentiates a call again (``create_g
 in turn. Each function here is built from a ``Program``'s own traced body, so it computes
 exactly what the program's first-order executables compute:
 
-* ``vjp_function(program)``: ``f(leaves, cotangents) -> gradients`` of the ``diff`` leaves
-  (torch's convention for complex leaves), the forward recomputed inside;
+* ``vjp_function(program, wanted)``: ``f(leaves, cotangents) -> gradients`` of the
+  ``diff`` leaves the caller reads (torch's convention for complex leaves), the forward
+  recomputed inside;
 * ``jvp_function(program)``: ``g(leaves, tangents) -> (outputs, output tangents)`` for the
   differentiable outputs (forward mode: ``jax.jvp``);
 * ``batched_function(program, in_axes, rng_axis)``: the program's results under
@@ -26,14 +27,29 @@ from flaxside._conventions import conj
 from flaxside._program import Program
 
 
-def vjp_function(program: Program) -> Callable:
+def vjp_function(program: Program, wanted: tuple[int, ...] | None = None) -> Callable:
     """``f(leaves, cotangents)``: the gradients of ``program``'s ``diff`` leaves.
 
     ``cotangents`` holds one array per differentiable output (``diff_out_index``).
+    ``wanted``: positions in ``diff_index`` whose gradients ``f`` returns, in that order
+    (``None``: all). The other leaves are constants of ``f``, so that neither ``f`` nor
+    its own VJP computes a gradient nobody reads (a gradient penalty reads the input's
+    gradient, not the weights': their products are half the backward's work).
     """
+    index = program.diff_index if wanted is None else tuple(
+        program.diff_index[p] for p in wanted)
+    n_out = program.n_out
 
     def f(leaves, cotangents):
-        _, vjp = program._vjp(list(leaves))
+        leaves = list(leaves)
+
+        def differentiated(*diff):
+            full = list(leaves)
+            for i, x in zip(index, diff, strict=True):
+                full[i] = x
+            return program._traced_results(full)[:n_out]
+
+        _, vjp = jax.vjp(differentiated, *[leaves[i] for i in index])
         return program._pull(vjp, list(cotangents))
 
     return f

@@ -143,7 +143,9 @@ def higher_backward(entry: Entry, route: str, saved, ctx, cots) -> list:
     from torchside._higher import differentiable_backward  # _higher imports _call
 
     leaves = entry.all_leaves(route, saved, ctx.kept, ctx.state)
-    return differentiable_backward(entry, leaves, cots)
+    # The leaves' nodes (torch lists an edge per tensor argument: the leaves alone).
+    nodes = [node for node, _ in ctx.next_functions]
+    return differentiable_backward(entry, leaves, cots, nodes)
 
 
 def _keep_graph() -> bool:

@@ -8,7 +8,10 @@ every leaf and the cotangents, through a ``Caller`` exactly like ``jax_function`
 backward is that function's VJP, run the same way, so a third derivative is a call of the
 second's, and so on. Each order compiles its own programs once per signature, and each
 recomputes the forward from the leaves (what the first order saved as residuals is not
-differentiable with respect to them).
+differentiable with respect to them). The VJP returns only the gradients whose autograd
+node the running backward executes (``autograd.grad(out, x)`` executes no weight's): the
+rest are constants of it, so neither it nor its own VJP computes them, one caller per
+such subset.
 
 What a second derivative reads: every leaf of the call. The forward saves, besides what
 its first-order backward reads, the leaves it does not (references, no copies:
@@ -44,14 +47,18 @@ class _Apply:
         return self.fn(*args), [], WriteBack()
 
 
-def derived(entry, kind: str, make) -> Caller:
-    """The entry's caller of one derived function (``kind``: "vjp", "jvp"), made once."""
+def derived(entry, kind: str, make, key=None) -> Caller:
+    """The entry's caller of one derived function (``kind``: "vjp", "jvp"), made once.
+
+    ``key``: what else the function depends on (the gradients a VJP returns).
+    """
     callers = entry.derived
-    caller = callers.get(kind)
+    caller = callers.get((kind, key))
     if caller is None:
         settings = Settings(f"{entry.program.name} ({kind})", _NO_STATE, (),
                             _Apply(make(entry.program)))
-        caller = callers[kind] = Caller(settings, residuals="save", recompile_warning=None)
+        caller = callers[kind, key] = Caller(settings, residuals="save",
+                                              recompile_warning=None)
     return caller
 
 
@@ -69,25 +76,50 @@ def run(caller: Caller, *args):
     return caller(resolve([], args, {}, mode=None, where=caller.where))
 
 
-def differentiable_backward(entry, leaves: list, cots: list) -> list:
+def differentiable_backward(entry, leaves: list, cots: list, nodes=None) -> list:
     """Per leaf its gradient, as the output of a differentiable call (NOTE above).
 
     Args:
         entry: the call's entry.
         leaves: every leaf of the call, as torch tensors, in the programs' order.
         cots: per differentiable output (``diff_out_index``), its cotangent or ``None``.
+        nodes: per leaf, the autograd node its gradient goes to (``None``: no node, or
+            not known): a gradient whose node the running backward will not execute
+            (``autograd.grad`` of the input alone, as a gradient penalty asks) is
+            neither computed nor differentiated later.
     """
+    if nodes is not None and len(nodes) != len(entry.names):
+        raise AssertionError(f"{len(nodes)} autograd edges for {len(entry.names)} leaves")
     used = tuple(c is not None for c in cots)
+    none = entry._unreached_by(used) if not all(used) else ()
+    wanted = tuple(p for p, slot in enumerate(entry.grad_slots)
+                   if p not in none and (nodes is None or _executes(nodes[slot])))
+    out = [None] * len(entry.names)
+    if not wanted:
+        return out
     zeros = [torch.zeros(s.shape, dtype=_torch_dtype(s.dtype), device=entry.device)
              for s in (entry.program.out_specs[k] for k in entry.diff_out_index)]
     cots = [z if c is None else c for c, z in zip(cots, zeros, strict=True)]
-    grads = run(derived(entry, "vjp", vjp_function), list(leaves), cots)
-    none = entry._unreached_by(used) if not all(used) else ()
-    out = [None] * len(entry.names)
-    for p, (slot, g) in enumerate(zip(entry.grad_slots, grads, strict=True)):
-        if p not in none:
-            out[slot] = g
+    key = None if len(wanted) == len(entry.grad_slots) else wanted
+    caller = derived(entry, "vjp", lambda program: vjp_function(program, key), key)
+    grads = run(caller, list(leaves), cots)
+    for p, g in zip(wanted, grads, strict=True):
+        out[entry.grad_slots[p]] = g
     return out
+
+
+def _executes(node) -> bool:
+    """Whether the running backward executes ``node`` (and so reads the gradient sent to it).
+
+    torch refuses the question for a node ``autograd.grad`` captures its result at (one of
+    its ``inputs``): that gradient is read.
+    """
+    if node is None:
+        return True
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
 
 
 def forward_tangents(entry, leaves: list, tangents: list) -> list:

@@ -61,7 +61,8 @@ class TransformedCall(torch.autograd.Function):
 
         entry = ctx.entry
         cots = [grads[k] for k in entry.diff_out_index]
-        return (None, *differentiable_backward(entry, list(ctx.saved_tensors), cots))
+        nodes = [node for node, _ in ctx.next_functions]  # the leaves' (the only tensors)
+        return (None, *differentiable_backward(entry, list(ctx.saved_tensors), cots, nodes))
 
     @staticmethod
     def jvp(ctx, _bundle, *tangents):

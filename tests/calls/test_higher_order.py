@@ -111,6 +111,39 @@ def test_a_gradient_penalty_equals_pure_jax(owner, residuals):
         _close(torch.zeros_like(p) if p.grad is None else p.grad, want, f"{name}.grad")
 
 
+def test_a_derivative_computes_only_the_gradients_the_backward_reads():
+    """``autograd.grad`` of the input alone (a penalty) derives a VJP that returns the
+    input's gradient only: the weight gradients' products, and their own VJP, would be
+    computed for nobody. Another ``create_graph`` backward that reads the weights gets a
+    VJP of its own, and each equals pure JAX's."""
+    m = _linen("save")
+    x = torch.randn(4, 3, requires_grad=True)
+    params = list(m.parameters())
+    names, f = _apply(m)
+    values = [to_jax(p) for p in params]
+    ct = torch.randn(4, 1)
+
+    def jvjp(values, x):
+        return jax.vjp(f, values, x)[1](to_jax(ct))
+
+    want_p, want_x = jvjp(values, to_jax(x))
+    (gx,) = torch.autograd.grad(m(x), x, ct, create_graph=True)
+    assert [len(p.out_specs) for p in pipeline.derived_programs(m)] == [1]
+    gp = torch.autograd.grad(m(x), params, ct, create_graph=True)
+    both = torch.autograd.grad(m(x), [x, *params], ct, create_graph=True)
+    assert [len(p.out_specs) for p in pipeline.derived_programs(m)] == [1, 4, 5]
+    _close(gx, want_x, "x alone")
+    _close(both[0], want_x, "x with the weights")
+    for name, got, got_both, want in zip(names, gp, both[1:], want_p, strict=True):
+        _close(got, want, f"{name} alone")
+        _close(got_both, want, f"{name} with x")
+    # Each one differentiates again, to what it read.
+    (gx.sum() + sum(g.sum() for g in gp)).backward()
+    want_xx = jax.grad(lambda x: jvjp(values, x)[1].sum() + sum(
+        g.sum() for g in jvjp(values, x)[0]))(to_jax(x))
+    _close(x.grad, want_xx, "x.grad")
+
+
 class LossInside(nn.Module):
     """A scalar loss: the fused (value_and_grad) route at first order."""
 
