@@ -9,8 +9,9 @@ built directly and trained on the full batch. With two ranks the block is sharde
 own shards), the torch layers are ``fully_shard``-ed, and each rank trains on its half of
 the batch. Each process saves to ``OUT.RANK.pt`` (the reference: ``OUT.ref.pt``) the full
 (gathered) parameters before and after training, the block's local shard shapes, what its
-compiled programs gather (the number of all-gathers inside a loop body and outside any),
-and the bytes they take as arguments; then it saves the trained model with
+compiled programs gather (the number of all-gathers inside a loop body and outside any)
+and their peak bytes, and the bytes it holds of the block's parameters and of AdamW's
+state of them; then it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
 reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``.
 """
@@ -70,7 +71,8 @@ def full(model) -> dict:
 
 def gathers(owner) -> dict:
     """Per executable the block ran: all-gathers inside loop bodies, all-gathers elsewhere,
-    and the bytes of its arguments (this rank's shards, batch and residuals)."""
+    and its peak bytes by XLA's memory analysis (arguments, outputs and temporaries: this
+    rank's shards, its batch, residuals and whatever it gathers)."""
     counts = {}
     for _, kind, compiled in pipeline.executables_run(owner):
         text = compiled.as_text()
@@ -84,8 +86,16 @@ def gathers(owner) -> dict:
                 inside += n
             else:
                 outside += n
-        counts[kind] = (inside, outside, compiled.memory_analysis().argument_size_in_bytes)
+        memory = compiled.memory_analysis()
+        peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+        counts[kind] = (inside, outside, peak)
     return counts
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor's local shard)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
 
 
 def main(rank: int, world: int, port: str, out: str) -> None:
@@ -99,7 +109,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     report["local"] = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
                        for n, p in model[1].named_parameters()}
     gen = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     norms = []
     for _ in range(STEPS):
         x = torch.randn(BATCH, 4, generator=gen)
@@ -115,6 +125,9 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     report["final"] = full(model)
     report["norms"] = torch.stack(norms)
     report["gathers"] = gathers(model[1])
+    block = list(model[1].parameters())
+    report["bytes"] = {"params": local_bytes(block), "optimizer": local_bytes(
+        [v for p in block for v in opt.state[p].values() if v.dim() > 0])}
     torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
     # Checkpoints: this run's, and the reference's loaded into this run's layout.
     dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",

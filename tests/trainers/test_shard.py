@@ -7,11 +7,14 @@ materialized by ``reset_parameters()`` rank by rank, the torch layers under
 ``fully_shard``, each rank on its half of the batch. Checked: the initial values equal a
 direct build bit for bit; each rank holds half of every stacked parameter, its layer
 axes whole; every all-gather of the block's programs sits inside a loop body (one layer
-per iteration, never the whole stack); training ends where the reference ends, with the
-same global gradient norms from ``clip_grad_norm_``; and
+per iteration, never the whole stack); each rank holds half the block's parameters and
+of AdamW's state, and each program's peak (XLA's memory analysis) is about half the block
+plus a layer and activations against the whole block's; training ends where the reference
+ends, with the same global gradient norms from ``clip_grad_norm_``; and
 ``torch.distributed.checkpoint`` reshards both ways (2 ranks -> 1 process, 1 -> 2).
 """
 
+import math
 import socket
 import warnings
 
@@ -58,6 +61,25 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
             assert torch.Size(shape).numel() * 2 == torch.Size(whole).numel(), (name, shape)
         for kind, (inside, outside, _) in report["gathers"].items():
             assert inside > 0 and outside == 0, (kind, inside, outside)
+        # A rank holds half the block's parameters and half of AdamW's state of them.
+        for what in ("params", "optimizer"):
+            assert report["bytes"][what] * 2 == reference["bytes"][what], (
+                what, report["bytes"], reference["bytes"])
+        # Each program's peak: this rank's half of the parameters (and, backward, of their
+        # gradients), about one layer gathered at a time (two, if XLA fetches the next
+        # while one runs), and the rest, bounded by the reference's rest (the whole block
+        # gathered, as fully_shard of the block runs it, on twice the batch). A forward
+        # that gathered the whole block would pass its bound by about half the block.
+        whole = reference["bytes"]["params"]
+        layer = whole // math.prod(LENGTHS)
+        for kind, (_, _, peak) in report["gathers"].items():
+            full_peak = reference["gathers"][kind][2]
+            copies = 2 if kind == "backward" else 1  # parameters in, gradients out
+            print(f"{kind}: peak {peak} B per rank, {full_peak} B with the block whole "
+                  f"(parameters {whole} B, a layer {layer} B)")
+            assert full_peak >= copies * whole, (kind, full_peak, whole)
+            rest = full_peak - copies * whole
+            assert peak <= copies * whole // 2 + 2 * layer + rest, (kind, peak, full_peak)
         assert set(report["gathers"]) == {"forward_with_residuals", "backward"}
         _close(report["final"], reference["final"], "trained")
         torch.testing.assert_close(report["norms"], reference["norms"], rtol=1e-5, atol=0)
