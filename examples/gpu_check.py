@@ -6,7 +6,8 @@ What this shows, on a machine with a CUDA GPU and a CUDA build of jaxlib:
   exchanges are ordered on torch's and JAX's streams (``tests/exchange/test_ordering.py``
   records one fence per program run and checks the streams it names), round trips are
   zero-copy, JAX does not preallocate beside torch, and, with two or more GPUs, 2-rank DDP
-  over NCCL on ``cuda:0`` / ``cuda:1`` equals one process (``tests/trainers/test_ddp.py``);
+  over NCCL on ``cuda:0`` / ``cuda:1`` equals one process (``tests/trainers/test_ddp.py``),
+  and so does a block sharded over those two ranks (``tests/trainers/test_shard.py``);
 * ``tests/devices/cases.py`` (FlaxModule Linen and NNX, jax_function, remat_stack,
   recompute, torch.compile, memory_report, each against pure JAX on the right device) with
   CUDA tensors while JAX's default device is the CPU, with CPU tensors while it is the GPU,

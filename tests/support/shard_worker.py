@@ -13,7 +13,8 @@ compiled programs gather (the number of all-gathers inside a loop body and outsi
 and their peak bytes, and the bytes it holds of the block's parameters and of AdamW's
 state of them; then it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
-reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``.
+reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``. With
+``FLAXTORCH_TEST_SHARD_BACKEND=nccl`` rank ``r`` runs on ``cuda:r`` over NCCL.
 """
 
 import datetime
@@ -23,6 +24,8 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -32,6 +35,35 @@ from tests.support.twins import ReadmeDeep  # noqa: E402
 from torchside import FlaxModule, shard  # noqa: E402
 
 STEPS, BATCH, WIDTH, LENGTHS = 3, 8, 16, (4, 2)
+
+
+class Tagged(nn.Module):
+    """Kernels whose Flax partitioning metadata names their first dimension for the mesh's
+    axis, once directly and once through logical axis rules (``TAGGED_RULES``); without
+    it both would be sharded on their last."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(WIDTH, kernel_init=nn.with_partitioning(init, ("shard", None)))(x)
+        return nn.Dense(2 * WIDTH, kernel_init=nn.with_logical_partitioning(
+            init, ("embed", "mlp")))(jnp.tanh(h))
+
+
+TAGGED_RULES = (("embed", "shard"), ("mlp", None))
+
+
+def tagged(sharded: bool, device: str, x: torch.Tensor) -> dict:
+    """``Tagged``'s local kernel shapes and its output for ``x`` (this rank's rows)."""
+    with torch.device("meta" if sharded else device):
+        module = FlaxModule(Tagged(), example_args=(torch.zeros(BATCH, WIDTH),), seed=3)
+    if sharded:
+        shard(module, axis_rules=TAGGED_RULES)
+        module.to_empty(device=device)
+        module.reset_parameters()
+    local = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
+             for n, p in module.named_parameters()}
+    return {"local": local, "out": module(x).detach().cpu()}
 
 
 def block() -> FlaxModule:
@@ -44,18 +76,18 @@ def torch_layers():
     return torch.nn.Linear(4, WIDTH), torch.nn.Linear(WIDTH, 1)
 
 
-def build(sharded: bool) -> torch.nn.Sequential:
+def build(sharded: bool, device: str = "cpu") -> torch.nn.Sequential:
     first, last = torch_layers()
     if not sharded:
-        return torch.nn.Sequential(first, block(), last)
+        return torch.nn.Sequential(first, block(), last).to(device)
     with torch.device("meta"):
         flax = block()
     shard(flax)
-    flax.to_empty(device="cpu")
+    flax.to_empty(device=device)
     flax.reset_parameters()
     from torch.distributed.fsdp import fully_shard
 
-    model = torch.nn.Sequential(first, flax, last)
+    model = torch.nn.Sequential(first.to(device), flax, last.to(device))
     fully_shard(model[0])
     fully_shard(model[2])
     return model
@@ -65,7 +97,7 @@ def full(model) -> dict:
     out = {}
     for name, p in model.named_parameters():
         value = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = value.detach().clone()
+        out[name] = value.detach().cpu().clone()
     return out
 
 
@@ -100,11 +132,15 @@ def local_bytes(tensors) -> int:
 
 def main(rank: int, world: int, port: str, out: str) -> None:
     sharded = world > 1
+    backend = os.environ.get("FLAXTORCH_TEST_SHARD_BACKEND", "gloo")
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"  # as torchrun places ranks
+    if backend == "nccl":
+        torch.cuda.set_device(device)
     if sharded:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-    model = build(sharded)
+    model = build(sharded, device)
     report = {"initial": full(model)}
     report["local"] = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
                        for n, p in model[1].named_parameters()}
@@ -112,8 +148,8 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     norms = []
     for _ in range(STEPS):
-        x = torch.randn(BATCH, 4, generator=gen)
-        y = torch.randn(BATCH, 1, generator=gen)
+        x = torch.randn(BATCH, 4, generator=gen).to(device)
+        y = torch.randn(BATCH, 1, generator=gen).to(device)
         rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
         opt.zero_grad()
@@ -123,18 +159,20 @@ def main(rank: int, world: int, port: str, out: str) -> None:
                      if sharded else torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
         opt.step()
     report["final"] = full(model)
-    report["norms"] = torch.stack(norms)
+    report["norms"] = torch.stack(norms).cpu()
     report["gathers"] = gathers(model[1])
     block = list(model[1].parameters())
     report["bytes"] = {"params": local_bytes(block), "optimizer": local_bytes(
         [v for p in block for v in opt.state[p].values() if v.dim() > 0])}
+    x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
+    report["tagged"] = tagged(sharded, device, x[rank * BATCH // world:][: BATCH // world])
     torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
     # Checkpoints: this run's, and the reference's loaded into this run's layout.
     dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",
              no_dist=not sharded)
     if sharded:
         dist.barrier()
-        fresh = build(sharded)
+        fresh = build(sharded, device)
         state = fresh.state_dict()
         dcp.load(state, checkpoint_id=f"{out}.ref-dcp")
         fresh.load_state_dict(state)

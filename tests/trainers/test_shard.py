@@ -10,7 +10,9 @@ axes whole; every all-gather of the block's programs sits inside a loop body (on
 per iteration, never the whole stack); each rank holds half the block's parameters and
 of AdamW's state, and each program's peak (XLA's memory analysis) is about half the block
 plus a layer and activations against the whole block's; training ends where the reference
-ends, with the same global gradient norms from ``clip_grad_norm_``; and
+ends, with the same global gradient norms from ``clip_grad_norm_``; Flax's partitioning metadata
+(``nn.with_partitioning``, ``nn.with_logical_partitioning`` with axis rules) picks the
+dimension a parameter is sharded on; and
 ``torch.distributed.checkpoint`` reshards both ways (2 ranks -> 1 process, 1 -> 2).
 """
 
@@ -41,12 +43,23 @@ def _close(got: dict, want: dict, what: str) -> None:
                                    msg=lambda m, name=name: f"{what}, {name}: {m}")
 
 
-def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(tmp_path):
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@pytest.mark.parametrize("env", [
+    pytest.param({}, id="gloo"),
+    pytest.param({"FLAXTORCH_TEST_SHARD_BACKEND": "nccl"}, id="nccl",
+                 marks=[pytest.mark.gpu, TWO_GPUS]),
+])
+def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(env, tmp_path):
+    """On ``nccl``, catches JAX's distributed runtime giving a rank another GPU than its
+    tensors' (under torchrun every process sees every GPU) and the gathers leaving the
+    scan on the GPU compiler."""
     out = tmp_path / "run"
-    ref = run_reference(WORKER, out)
+    ref = run_reference(WORKER, out, env)
     assert ref.returncode == 0, ref.stderr[-3000:]
     logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
-    codes = run_two_ranks(WORKER, out, logs)
+    codes = run_two_ranks(WORKER, out, logs, env)
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     reference = torch.load(f"{out}.ref.pt")
     ranks = [torch.load(f"{out}.{r}.pt") for r in (0, 1)]
@@ -85,6 +98,17 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         torch.testing.assert_close(report["norms"], reference["norms"], rtol=1e-5, atol=0)
     for name, value in ranks[0]["final"].items():
         assert not torch.equal(value, reference["initial"][name]), f"{name} did not train"
+    # Flax's partitioning metadata picks the sharded dimension (directly and through
+    # logical axis rules); the rest FSDP-style, on the last that divides.
+    # Every one is halved on its first dimension: a kernel's by the metadata (else its
+    # last), a bias's as its last.
+    whole = reference["tagged"]["local"]
+    assert sum(len(shape) == 2 for shape in whole.values()) == 2, whole
+    for r, report in enumerate(ranks):
+        got = report["tagged"]["local"]
+        assert got == {n: (w[0] // 2, *w[1:]) for n, w in whole.items()}, (r, got, whole)
+    halves = torch.cat([report["tagged"]["out"] for report in ranks])
+    _close({"out": halves}, {"out": reference["tagged"]["out"]}, "the tagged module's output")
     # 1 -> 2: the reference's checkpoint, loaded into the sharded layout on each rank.
     for r in (0, 1):
         _close(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
