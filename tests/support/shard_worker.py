@@ -11,13 +11,16 @@ the batch. Each process saves to ``OUT.RANK.pt`` (the reference: ``OUT.ref.pt``)
 (gathered) parameters before and after training, the block's local shard shapes, what its
 compiled programs gather (the number of all-gathers inside a loop body and outside any)
 and their peak bytes, and the bytes it holds of the block's parameters and of AdamW's
-state of them; then it saves the trained model with
+state of them, a module whose kernels carry Flax partitioning metadata (``tagged``), and
+a ``remat_scan`` Transformer block trained beside its torch twin (``transformer``); then
+it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
 reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``. With
 ``FLAXTORCH_TEST_SHARD_BACKEND=nccl`` rank ``r`` runs on ``cuda:r`` over NCCL.
 """
 
 import datetime
+import math
 import os
 import re
 import sys
@@ -32,7 +35,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from tests.support import pipeline  # noqa: E402
 from tests.support.twins import ReadmeDeep  # noqa: E402
+from tests.support.twins_parity import TWINS  # noqa: E402
 from torchside import FlaxModule, shard  # noqa: E402
+from torchside.parity import copy_weights  # noqa: E402
 
 STEPS, BATCH, WIDTH, LENGTHS = 3, 8, 16, (4, 2)
 
@@ -64,6 +69,63 @@ def tagged(sharded: bool, device: str, x: torch.Tensor) -> dict:
     local = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
              for n, p in module.named_parameters()}
     return {"local": local, "out": module(x).detach().cpu()}
+
+
+TWIN = TWINS["transformer"]  # pre-LayerNorm causal attention + MLP, width 16, 2 heads
+T_LENGTHS, T_SHAPE = (4, 2), (BATCH, 6, 16)
+
+
+def _transformer_block() -> FlaxModule:
+    return FlaxModule(TWIN.flax_stack("remat_scan", T_LENGTHS, "float32"),
+                      example_args=(torch.zeros(T_SHAPE),), seed=5)
+
+
+def transformer(sharded: bool, device: str, rank: int, world: int) -> dict:
+    """A ``remat_scan`` Transformer block of 8 layers, sharded (``shard``) or whole, and its
+    torch twin (the same initial weights), under ``fully_shard`` per layer when sharded,
+    each trained 3 AdamW steps on this rank's rows; returns their parameters (gathered)
+    before and after, the Flax block's by its torch twin's names too.
+
+    AdamW's ``eps`` is 1e-4 rather than 1e-8: an update of ``lr * m / (sqrt(v) + eps)``
+    then moves with the gradient by at most ``lr / eps`` where the gradient is small, so two
+    libraries' float32 rounding cannot flip an update from ``+lr`` to ``-lr``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mapping = TWIN.stack_mapping("remat_scan", T_LENGTHS)
+    if sharded:
+        with torch.device("meta"):
+            flax = _transformer_block()
+        shard(flax)
+        flax.to_empty(device=device)
+        flax.reset_parameters()
+    else:
+        flax = _transformer_block().to(device)
+    twin = TWIN.torch_stack(int(math.prod(T_LENGTHS)), "float32")
+    copy_weights(_transformer_block().flax_variables(), twin, mapping)
+    twin.to(device)
+    if sharded:
+        for layer in twin.blocks:
+            fully_shard(layer)
+        fully_shard(twin)
+    out = {"flax_initial": full(flax), "twin_initial": full(twin)}
+    gen = torch.Generator().manual_seed(2)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    batches = [(torch.randn(T_SHAPE, generator=gen).to(device)[rows],
+                torch.randn(T_SHAPE, generator=gen).to(device)[rows]) for _ in range(STEPS)]
+    for name, model in (("flax", flax), ("twin", twin)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        out[f"{name}_final"] = full(model)
+    whole = _transformer_block()  # the trained values, by the twin's names
+    whole.load_state_dict(out["flax_final"])
+    as_twin = TWIN.torch_stack(int(math.prod(T_LENGTHS)), "float32")
+    copy_weights(whole.flax_variables(), as_twin, mapping)
+    out["flax_as_twin"] = {n: p.detach().clone() for n, p in as_twin.named_parameters()}
+    return out
 
 
 def block() -> FlaxModule:
@@ -166,6 +228,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
         [v for p in block for v in opt.state[p].values() if v.dim() > 0])}
     x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
     report["tagged"] = tagged(sharded, device, x[rank * BATCH // world:][: BATCH // world])
+    report["transformer"] = transformer(sharded, device, rank, world)
     torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
     # Checkpoints: this run's, and the reference's loaded into this run's layout.
     dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",
