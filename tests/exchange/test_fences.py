@@ -20,7 +20,7 @@ import torch
 
 import bridge
 from tests.support import pipeline
-from tests.support.closeness import close, highest_precision
+from tests.support.closeness import close, on_route
 from torchside import FlaxModule
 
 ROUTES = [
@@ -31,13 +31,9 @@ ROUTES = [
 
 @pytest.fixture(params=ROUTES, name="route")
 def _route(request):
-    device, mode = request.param
-    previous = bridge.set_exchange_mode(mode)
-    try:
-        with highest_precision():
-            yield device
-    finally:
-        bridge.set_exchange_mode(previous)
+    """Runs the test on the route (``on_route``); yields its torch device."""
+    with on_route(request.param) as device:
+        yield device
 
 
 class MLP(nn.Module):

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
 from tests.support import pipeline
-from tests.support.closeness import close, highest_precision
+from tests.support.closeness import close, on_route
 from torchside import FlaxModule
 
 
@@ -44,21 +44,12 @@ ROUTES = [
 ]
 
 
-def _in_mode(request):
-    """Runs the test in the route's exchange mode; yields its torch device.
+@pytest.fixture(params=ROUTES, name="route")
+def _route(request):
+    """Runs the test on the route (``on_route``); yields its torch device."""
+    with on_route(request.param) as device:
+        yield device
 
-    At JAX's highest matmul precision: on CUDA no TF32 hides an error in the comparison.
-    """
-    device, mode = request.param
-    previous = bridge.set_exchange_mode(mode)
-    try:
-        with highest_precision():
-            yield device
-    finally:
-        bridge.set_exchange_mode(previous)
-
-
-route = pytest.fixture(params=ROUTES, name="route")(_in_mode)
 
 
 def _width(device: str) -> int:

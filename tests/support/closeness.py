@@ -62,3 +62,19 @@ def highest_precision():
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@contextlib.contextmanager
+def on_route(route: tuple[str, str]):
+    """``route``: ``(torch device, exchange mode)``. Yields the device, with the exchange
+    in that mode and matmuls at ``highest_precision`` (on CUDA no TF32 hides an error in
+    a comparison), both restored after."""
+    import bridge
+
+    device, mode = route
+    previous = bridge.set_exchange_mode(mode)
+    try:
+        with highest_precision():
+            yield device
+    finally:
+        bridge.set_exchange_mode(previous)
