@@ -83,8 +83,16 @@ class LinenAdapter(Leaves):
         self.rng_streams = tuple(rng_streams)
         self.train_kwarg = train_kwarg
         path_leaves, self.treedef = jtu.tree_flatten_with_path(variables)
+
+        def name(path):
+            # A metadata box's leaf (``nn.Partitioned``: its ``value`` attribute) is named
+            # as the variable; a dict key "value" is the user's own name.
+            if path and isinstance(path[-1], jtu.GetAttrKey) and path[-1].name == "value":
+                path = path[:-1]
+            return dotted(path, where)
+
         super().__init__(
-            [dotted(path, where) for path, _ in path_leaves],
+            [name(path) for path, _ in path_leaves],
             [key_name(path[0]) == "params" for path, _ in path_leaves],
             [leaf for _, leaf in path_leaves],
         )

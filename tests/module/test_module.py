@@ -49,6 +49,29 @@ def test_parameters_are_torch_owned_with_flax_names():
     m(x)  # runs
 
 
+class Partitioned(nn.Module):
+    """A kernel boxed by ``nn.with_partitioning`` and a variable the user named "value"."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel_init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+        scale = self.param("value", nn.initializers.ones, (4,))
+        return nn.Dense(4, kernel_init=kernel_init)(x) * scale
+
+
+def test_partitioned_parameters_are_named_as_the_variable():
+    """``nn.Partitioned`` holds its array under a ``value`` attribute: torch's name is the
+    variable's own (``kernel``, not ``kernel.value``); a variable the user named "value"
+    keeps its name; the module computes what Flax computes with the boxes."""
+    x = torch.randn(2, 3)
+    m = FlaxModule(Partitioned(), example_args=(x,))
+    assert sorted(dict(m.named_parameters())) == [
+        "params.Dense_0.bias", "params.Dense_0.kernel", "params.value"]
+    want = Partitioned().apply(m.flax_variables(), jnp.asarray(x.numpy()))
+    assert isinstance(m.flax_variables()["params"]["Dense_0"]["kernel"], nn.Partitioned)
+    torch.testing.assert_close(m(x).detach(), torch.from_numpy(np.array(want)))
+
+
 def test_pytrees_kwargs_and_static_values():
     m = FlaxModule(TwoHeads(), example_args=(_inputs(),))
     out = m(_inputs(), scale=2.0, mode="mean")
