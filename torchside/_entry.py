@@ -16,6 +16,7 @@ import torch
 
 import bridge
 from bridge.internal import HeldArrays
+from flaxside.internal import SpmdProgram
 from torchside import _errors
 
 # How a call runs its programs (``Entry.route``):
@@ -113,13 +114,14 @@ class Entry:
             depend on no differentiated leaf).
         grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
         key: a small int naming the entry inside its caller (``torch.compile``'s ops).
+        sharded: the programs are SPMD over torch's ranks (NOTE [Sharded blocks]).
     """
 
     __slots__ = ("program", "exchange", "recompute", "fuses", "names", "n_vars", "n_state",
                  "device", "narrow", "has_rng", "rng_used", "write_back", "n_out",
                  "n_results", "out_treedef", "nondiff_out", "diff_out_index", "grad_slots",
-                 "key", "derived", "_executables", "_saved", "_kept", "_zero_cots", "_unreached",
-                 "_rng_zeros", "_unpack")
+                 "key", "sharded", "derived", "_executables", "_saved", "_kept", "_zero_cots",
+                 "_unreached", "_rng_zeros", "_unpack")
 
     def __init__(self, built, exchange, residuals: str, key: int):
         program = built.program
@@ -140,8 +142,9 @@ class Entry:
         self.diff_out_index = program.diff_out_index
         self.grad_slots = program.diff_index
         self.key = key
+        self.sharded = isinstance(program, SpmdProgram)
         self._executables: dict[str, Any] = {}
-        self.derived: dict[str, Any] = {}  # NOTE [Higher order]: callers of derivatives
+        self.derived: dict[tuple, Any] = {}  # NOTE [Higher order]: callers of derivatives
         self._saved: SavedLayout | None = None
         self._kept: dict[str, tuple[int, ...]] = {}
         self._zero_cots: dict[int, Any] = {}

@@ -134,6 +134,27 @@ def higher_order_after_write_back(where: str, name: str) -> RuntimeError:
     )
 
 
+def sharded_higher_order(where: str) -> NotImplementedError:
+    """A derivative of a sharded block's backward (``create_graph``)."""
+    return NotImplementedError(
+        f"{where} is sharded (torchside.shard): differentiating its backward again "
+        f"(create_graph=True, torch.autograd.functional, torch.func) is not supported; "
+        f"its derivatives would have to be SPMD programs over the ranks too. Take such "
+        f"derivatives with an unsharded FlaxModule, or compute the penalty inside the "
+        f"Flax block (jax.grad there), where a first-order backward reaches it."
+    )
+
+
+def sharded_under_transform(where: str) -> NotImplementedError:
+    """A sharded block called under a ``torch.func`` transform or forward-mode AD."""
+    return NotImplementedError(
+        f"{where} is sharded (torchside.shard) and was called under a torch.func "
+        f"transform (vmap, grad, jvp, ...) or with forward-mode dual tensors: DTensor "
+        f"parameters cannot be transformed, and its programs are SPMD over the ranks. Call "
+        f"it outside the transform, or use an unsharded FlaxModule there."
+    )
+
+
 def modified_for_higher_order(where: str, name: str) -> RuntimeError:
     """A leaf written in place between the forward and a derivative of its backward."""
     return RuntimeError(

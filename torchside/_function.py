@@ -134,6 +134,8 @@ apply_bridge = super(torch.autograd.Function, BridgeFunction).apply
 
 def higher_backward(entry: Entry, route: str, saved, ctx, cots) -> list:
     """The backward as a differentiable call of the VJP (NOTE [Higher order])."""
+    if entry.sharded:
+        raise _errors.sharded_higher_order(entry.program.name)
     changed = None if route == "recompute" else entry.reads_overwritten_state()
     if changed is not None:
         raise _errors.higher_order_after_write_back(entry.program.name, changed)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from flaxside.internal import ARRAY
 from torchside import _errors
@@ -135,6 +136,9 @@ def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where
     """
     if sharded:
         from torch.distributed.tensor import DTensor
+
+        if torch._C._are_functorch_transforms_active() or _fwAD._current_level >= 0:
+            raise _errors.sharded_under_transform(where)
 
         variables = [v.to_local() if isinstance(v, DTensor) else v for v in variables]
     compiled = torch.compiler.is_compiling()

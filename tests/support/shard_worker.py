@@ -12,7 +12,8 @@ the batch. Each process saves to ``OUT.RANK.pt`` (the reference: ``OUT.ref.pt``)
 compiled programs gather (the number of all-gathers inside a loop body and outside any)
 and their peak bytes, and the bytes it holds of the block's parameters and of AdamW's
 state of them, a module whose kernels carry Flax partitioning metadata (``tagged``), and
-a ``remat_scan`` Transformer block trained beside its torch twin (``transformer``); then
+a ``remat_scan`` Transformer block trained beside its torch twin (``transformer``), and
+what a second derivative and ``vmap`` of the block raise (``refusals``); then
 it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
 reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``. With
@@ -128,6 +129,24 @@ def transformer(sharded: bool, device: str, rank: int, world: int) -> dict:
     return out
 
 
+def refusals(module, x: torch.Tensor) -> dict:
+    """What a second derivative and ``torch.func.vmap`` of ``module`` raise ("ran" if
+    nothing)."""
+    out = {}
+    x = x.detach().requires_grad_()
+    try:
+        torch.autograd.grad(module(x).sum(), x, create_graph=True)
+        out["create_graph"] = "ran"
+    except NotImplementedError as e:
+        out["create_graph"] = str(e)
+    try:
+        torch.func.vmap(module)(x.detach()[None])
+        out["vmap"] = "ran"
+    except NotImplementedError as e:
+        out["vmap"] = str(e)
+    return out
+
+
 def block() -> FlaxModule:
     return FlaxModule(ReadmeDeep(width=WIDTH, lengths=LENGTHS),
                       example_args=(torch.zeros(BATCH, WIDTH),), seed=7)
@@ -229,6 +248,9 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
     report["tagged"] = tagged(sharded, device, x[rank * BATCH // world:][: BATCH // world])
     report["transformer"] = transformer(sharded, device, rank, world)
+    before = full(model)
+    report["refusals"] = refusals(model[1], torch.randn(BATCH // world, WIDTH).to(device))
+    report["unchanged"] = all(torch.equal(v, before[n]) for n, v in full(model).items())
     torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
     # Checkpoints: this run's, and the reference's loaded into this run's layout.
     dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",

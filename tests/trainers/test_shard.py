@@ -13,7 +13,8 @@ plus a layer and activations against the whole block's; training ends where the 
 ends, with the same global gradient norms from ``clip_grad_norm_``; Flax's partitioning metadata
 (``nn.with_partitioning``, ``nn.with_logical_partitioning`` with axis rules) picks the
 dimension a parameter is sharded on; a ``remat_scan`` Transformer block of 8 layers trains
-3 AdamW steps like one process and like its torch twin under FSDP2; and
+3 AdamW steps like one process and like its torch twin under FSDP2; a second derivative
+and ``torch.func`` are refused by name; and
 ``torch.distributed.checkpoint`` reshards both ways (2 ranks -> 1 process, 1 -> 2).
 """
 
@@ -141,6 +142,15 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         assert got == {n: (w[0] // 2, *w[1:]) for n, w in whole.items()}, (r, got, whole)
     halves = torch.cat([report["tagged"]["out"] for report in ranks])
     _close({"out": halves}, {"out": reference["tagged"]["out"]}, "the tagged module's output")
+    # Derivatives of the backward and torch.func: refused by name on the sharded block
+    # (they run on the same block unsharded), parameters untouched.
+    assert reference["refusals"] == {"create_graph": "ran", "vmap": "ran"}
+    for report in ranks:
+        message = "FlaxModule(ReadmeDeep) is sharded (torchside.shard)"
+        assert message in report["refusals"]["create_graph"], report["refusals"]
+        assert "create_graph=True" in report["refusals"]["create_graph"]
+        assert message in report["refusals"]["vmap"] and "vmap" in report["refusals"]["vmap"]
+        assert report["unchanged"]
     # 1 -> 2: the reference's checkpoint, loaded into the sharded layout on each rank.
     for r in (0, 1):
         _close(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
