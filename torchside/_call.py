@@ -39,6 +39,7 @@ lambda that drops the residual map from ``forward_with_residuals``'s results); t
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import threading
 from collections.abc import Callable, Hashable
@@ -171,6 +172,15 @@ class Caller:
     def __getstate__(self):
         return {k: self.__dict__[k] for k in self._CONFIG}
 
+    def __deepcopy__(self, memo):
+        # A deep copy lives in this process, beside the original: a sharded owner's copy
+        # (an EMA of the model) holds DTensors over the same mesh, so it keeps the plan.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        new.spmd = self.spmd
+        return new
+
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.monitor = RecompileMonitor(self.recompile_warning, self.where)
@@ -180,8 +190,9 @@ class Caller:
         self._by_key: dict[int, Signature] = {}  # torch.compile's graphs name entries by key
         self.held = HeldArrays()
         self._var_keys: dict = {}
-        # torchside._shard.ShardPlan once the owner is sharded; not copied or pickled:
-        # a copy holds DTensor parameters it cannot call.
+        # torchside._shard.ShardPlan once the owner is sharded; kept by a deep copy, not
+        # pickled (another process has other meshes): an unpickled copy refuses its
+        # DTensors by name (``_checks.explain_state_error``).
         self.spmd = None
         self.compile_id = next(_caller_ids)
         CALLERS[self.compile_id] = self

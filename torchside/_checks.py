@@ -53,6 +53,11 @@ def explain_state_error(var_names, call, where: str) -> None:
     """
     if call.variables and call.device.type == "meta":  # built under torch.device("meta")
         raise _errors.meta_variables(var_names[0], where)
+    from torch.distributed.tensor import DTensor
+
+    for name, v in zip(var_names, call.variables, strict=False):
+        if isinstance(v, DTensor):  # sharded elsewhere: an unpickled sharded module
+            raise _errors.dtensor_not_sharded(name, where)
     check_devices(call.variables, var_names, call.device, None, where)
     numpy_dtypes(call.variables, var_names, where)
     if call.variables:

@@ -134,6 +134,17 @@ def higher_order_after_write_back(where: str, name: str) -> RuntimeError:
     )
 
 
+def dtensor_not_sharded(name: str, where: str) -> RuntimeError:
+    """A variable that is a DTensor on a module ``shard`` did not shard in this process."""
+    return RuntimeError(
+        f"{where}: the variable '{name}' is a DTensor, but this module was not sharded in "
+        f"this process (torchside.shard): a pickled or torch.save'd sharded module keeps "
+        f"its DTensors but not its meshes. Build the module again, call shard() on it, "
+        f"and load the state with torch.distributed.checkpoint (copy.deepcopy, in the "
+        f"same process, keeps the sharding)."
+    )
+
+
 def sharded_higher_order(where: str) -> NotImplementedError:
     """A derivative of a sharded block's backward (``create_graph``)."""
     return NotImplementedError(

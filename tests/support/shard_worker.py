@@ -13,14 +13,17 @@ compiled programs gather (the number of all-gathers inside a loop body and outsi
 and their peak bytes, and the bytes it holds of the block's parameters and of AdamW's
 state of them, a module whose kernels carry Flax partitioning metadata (``tagged``), and
 a ``remat_scan`` Transformer block trained beside its torch twin (``transformer``), and
-what a second derivative and ``vmap`` of the block raise (``refusals``); then
+what a second derivative and ``vmap`` of the block raise (``refusals``), and whether its
+deep copy computes the same and what a pickled copy raises (``copies``); then
 it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
 reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``. With
 ``FLAXTORCH_TEST_SHARD_BACKEND=nccl`` rank ``r`` runs on ``cuda:r`` over NCCL.
 """
 
+import copy
 import datetime
+import io
 import math
 import os
 import re
@@ -147,6 +150,24 @@ def refusals(module, x: torch.Tensor) -> dict:
     return out
 
 
+def copies(module, x: torch.Tensor) -> dict:
+    """Whether ``copy.deepcopy(module)`` (an EMA's habit) computes what ``module`` does, and
+    what a ``torch.save``/``torch.load`` copy raises ("ran" if nothing)."""
+    with torch.no_grad():
+        want = module(x)
+        out = {"deepcopy": torch.equal(copy.deepcopy(module)(x), want)}
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        try:
+            loaded(x)
+            out["pickled"] = "ran"
+        except RuntimeError as e:
+            out["pickled"] = str(e)
+    return out
+
+
 def block() -> FlaxModule:
     return FlaxModule(ReadmeDeep(width=WIDTH, lengths=LENGTHS),
                       example_args=(torch.zeros(BATCH, WIDTH),), seed=7)
@@ -251,6 +272,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     before = full(model)
     report["refusals"] = refusals(model[1], torch.randn(BATCH // world, WIDTH).to(device))
     report["unchanged"] = all(torch.equal(v, before[n]) for n, v in full(model).items())
+    report["copies"] = copies(model[1], torch.randn(BATCH // world, WIDTH).to(device))
     torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
     # Checkpoints: this run's, and the reference's loaded into this run's layout.
     dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",

@@ -14,7 +14,7 @@ ends, with the same global gradient norms from ``clip_grad_norm_``; Flax's parti
 (``nn.with_partitioning``, ``nn.with_logical_partitioning`` with axis rules) picks the
 dimension a parameter is sharded on; a ``remat_scan`` Transformer block of 8 layers trains
 3 AdamW steps like one process and like its torch twin under FSDP2; a second derivative
-and ``torch.func`` are refused by name; and
+and ``torch.func`` are refused by name; a deep copy stays sharded; and
 ``torch.distributed.checkpoint`` reshards both ways (2 ranks -> 1 process, 1 -> 2).
 """
 
@@ -151,6 +151,12 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         assert "create_graph=True" in report["refusals"]["create_graph"]
         assert message in report["refusals"]["vmap"] and "vmap" in report["refusals"]["vmap"]
         assert report["unchanged"]
+        # A deep copy (an EMA's) stays sharded and computes the same; a pickled one holds
+        # DTensors without meshes and says how to rebuild it.
+        assert report["copies"]["deepcopy"]
+        assert "is a DTensor, but this module was not sharded in this process" in (
+            report["copies"]["pickled"]), report["copies"]
+    assert reference["copies"] == {"deepcopy": True, "pickled": "ran"}
     # 1 -> 2: the reference's checkpoint, loaded into the sharded layout on each rank.
     for r in (0, 1):
         _close(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
