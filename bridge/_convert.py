@@ -10,7 +10,7 @@ import jax
 import torch
 
 from bridge import _devices, _dtypes
-from bridge._exchange import ALIGNMENT, cpu_tensor, cpu_view, is_zero_copy
+from bridge._exchange import ALIGNMENT, check_memory, cpu_tensor, cpu_view, is_zero_copy
 
 
 def _named(function: str, check, *args, **kwargs):
@@ -39,7 +39,8 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, name: str = "tenso
         A ``jax.Array`` on the JAX device matching ``tensor.device``.
 
     Raises:
-        TypeError: not a tensor, or a dtype JAX cannot hold exactly (64-bit without x64).
+        TypeError: not a tensor, a dtype JAX cannot hold exactly (64-bit without x64), or
+            a tensor subclass without memory of its own (a DTensor).
         ValueError: ``copy=False`` but the memory cannot be shared, or an unmapped device.
 
     Example:
@@ -53,6 +54,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, name: str = "tenso
         )
     _named("to_jax", _dtypes.numpy_dtype, tensor.dtype, name=name)
     device = _named("to_jax", _devices.jax_device, tensor.device, name=name)
+    check_memory(tensor, f"argument '{name}'")
     if copy is False and not is_zero_copy(tensor):
         if not tensor.is_contiguous():
             reason = "not contiguous (transposed, sliced or expanded)"

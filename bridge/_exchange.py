@@ -137,7 +137,10 @@ def cpu_view(tensor: torch.Tensor, owner=True) -> np.ndarray:
     shape = tuple(tensor.shape)
     if 0 in shape:
         return np.empty(shape, np_dtype)
-    view = np.asarray(_Memory(tensor if owner else None, tensor.data_ptr(), shape, typestr))
+    pointer = tensor.data_ptr()
+    if not pointer:
+        raise _no_memory(tensor)
+    view = np.asarray(_Memory(tensor if owner else None, pointer, shape, typestr))
     return view if view.dtype == np_dtype else view.view(np_dtype)
 
 
@@ -158,6 +161,27 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
 
 def _holdable(tensor: torch.Tensor) -> bool:
     return tensor.is_leaf and is_zero_copy(tensor)
+
+
+def _no_memory(tensor: torch.Tensor, what: str = "a tensor") -> TypeError:
+    return TypeError(
+        f"flaxtorch: {what} is a {type(tensor).__name__} of shape {tuple(tensor.shape)} "
+        f"with no memory of its own (a tensor subclass that wraps others, such as a DTensor "
+        f"or a pickled DTensor), so JAX has nothing to read. Pass a tensor with memory: a "
+        f"DTensor's to_local() or full_tensor(), or the tensor the subclass wraps."
+    )
+
+
+def check_memory(tensor: torch.Tensor, what: str) -> None:
+    """Refuses a tensor whose data pointer is null though it has elements.
+
+    ``what`` names it in the message ("argument 'x'").
+
+    A wrapper subclass (a DTensor) reports address 0 and exports, through ``__dlpack__``,
+    a capsule over address 0 with its global shape, which JAX accepts and then reads.
+    """
+    if not tensor.data_ptr() and tensor.numel():
+        raise _no_memory(tensor, what)
 
 
 def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
@@ -261,6 +285,8 @@ class DlpackExchange:
         tensor = logical(tensor.detach())
         if 0 in tensor.shape:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
+        if not tensor.data_ptr():
+            raise _no_memory(tensor)
         source = Observed(tensor, "import", self.torch_device) if recorders else tensor
         return imported(tensor, jax.dlpack.from_dlpack(source))
 
@@ -283,6 +309,7 @@ class DlpackExchange:
             raise _elsewhere(tensor, self.torch_device)
         if not _holdable(tensor) or 0 in tensor.shape:
             return None
+        check_memory(tensor, "a tensor")
         exported = tensor.detach()
         array = imported(exported, jax.dlpack.from_dlpack(exported))
         if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold

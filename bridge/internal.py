@@ -8,6 +8,7 @@ from bridge._devices import default_torch_device as default_torch_device
 from bridge._dtypes import narrow_to_int32 as narrow_to_int32
 from bridge._dtypes import narrows_to_int32 as narrows_to_int32
 from bridge._exchange import ALIGNMENT as ALIGNMENT
+from bridge._exchange import check_memory as check_memory
 from bridge._exchange import exchange_for as exchange_for
 from bridge._held import HeldArrays as HeldArrays
 from bridge._ordering import OrderingEvent as OrderingEvent
@@ -17,6 +18,7 @@ __all__ = [
     "ALIGNMENT",
     "HeldArrays",
     "OrderingEvent",
+    "check_memory",
     "default_torch_device",
     "exchange_for",
     "narrow_to_int32",

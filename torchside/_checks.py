@@ -11,6 +11,7 @@ import jax
 import torch
 
 import bridge
+from bridge.internal import check_memory
 from flaxside.internal import ARRAY, Program, internal_assert
 from torchside import _errors
 from torchside._resolve import arg_names
@@ -58,6 +59,11 @@ def explain_state_error(var_names, call, where: str) -> None:
     for name, v in zip(var_names, call.variables, strict=False):
         if isinstance(v, DTensor):  # sharded elsewhere: an unpickled sharded module
             raise _errors.dtensor_not_sharded(name, where)
+        if v.device.type != "meta":  # a meta tensor's address is 0 too (checked below)
+            try:
+                check_memory(v, f"the variable '{name}'")
+            except TypeError as e:
+                raise _errors.for_owner(e, where) from None
     check_devices(call.variables, var_names, call.device, None, where)
     numpy_dtypes(call.variables, var_names, where)
     if call.variables:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 import bridge
-from bridge.internal import HeldArrays
+from bridge.internal import HeldArrays, check_memory
 from flaxside.internal import SpmdProgram
 from torchside import _errors
 
@@ -259,10 +259,18 @@ class Entry:
     def program_arrays(self, state_arrays: list, leaves) -> list:
         """Every leaf's array: the state's (held), then views of the arguments."""
         view = self.exchange.view
-        if not self.narrow:
-            return state_arrays + [view(t) for t in leaves[self.n_state :]]
-        return state_arrays + [self.narrowed(j, t) if j in self.narrow else view(t)
-                               for j, t in enumerate(leaves[self.n_state :], self.n_state)]
+        try:
+            if not self.narrow:
+                return state_arrays + [view(t) for t in leaves[self.n_state :]]
+            return state_arrays + [self.narrowed(j, t) if j in self.narrow else view(t)
+                                   for j, t in enumerate(leaves[self.n_state :], self.n_state)]
+        except TypeError:  # a tensor subclass without memory (a DTensor): name it
+            for j, t in enumerate(leaves[self.n_state :], self.n_state):
+                try:
+                    check_memory(t, f"the argument '{self.names[j]}'")
+                except TypeError as e:
+                    raise _errors.for_owner(e, self.program.name) from None
+            raise
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, state_arrays: list, leaves, fuse: bool = False, wait: bool = True,
