@@ -24,9 +24,17 @@ TINY_ARGS = {
     "benchmark.py": ["--smoke", "--out", "{out}"],
     "exit_aborts.py": ["--runs", "1"],
     "pinn.py": ["--steps", "40", "--points", "64", "--out", "{out}"],
+    "train_sharded.py": ["--steps", "3", "--lengths", "2", "2", "--width", "16",
+                         "--batch", "8", "--out", "{out}/checkpoint"],
     "train_lm.py": ["--steps", "30", "--layers", "2", "--width", "32", "--heads", "2",
                     "--batch", "8", "--context", "16", "--eval-batches", "2",
                     "--sample-chars", "40", "--log-every", "10"],
+}
+
+
+# Examples started by a launcher, as their docstrings say: torchrun's module, 2 processes.
+LAUNCHERS = {
+    "train_sharded.py": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
 }
 
 
@@ -38,7 +46,7 @@ def _run(name: str, tmp_path) -> subprocess.CompletedProcess:
     args = [a.format(out=tmp_path) for a in TINY_ARGS[name]]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
+        [sys.executable, *LAUNCHERS.get(name, []), str(EXAMPLES / name), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -120,6 +128,17 @@ def _check_pinn(done, out) -> None:
     assert (out / "pinn.png").exists()
 
 
+def _check_train_sharded(done, out) -> None:
+    """Both ranks hold at most half the block plus one layer, the loss is printed per
+    step, and the DCP checkpoint reloads into a model that computes the same."""
+    assert len(re.findall(r"^step +\d+/3  loss [\d.]+$", done.stdout, re.M)) == 3, done.stdout
+    for rank in (0, 1):
+        assert re.search(rf"^rank {rank}: block parameters .*one layer, .*: yes\)",
+                         done.stdout, re.M), done.stdout
+    assert "reloaded: the reloaded model computes the same outputs on every rank" in done.stdout
+    assert (out / "checkpoint" / ".metadata").exists()
+
+
 def _check_exit_aborts(done, out) -> None:
     assert "exit handler registered: 0 of 1 exits aborted" in done.stdout, done.stdout
 
@@ -130,6 +149,7 @@ CHECKS = {
     "train_lm.py": _check_train_lm,
     "exit_aborts.py": _check_exit_aborts,
     "pinn.py": _check_pinn,
+    "train_sharded.py": _check_train_sharded,
 }
 
 
