@@ -14,7 +14,8 @@ and their peak bytes, and the bytes it holds of the block's parameters and of Ad
 state of them, a module whose kernels carry Flax partitioning metadata (``tagged``), and
 a ``remat_scan`` Transformer block trained beside its torch twin (``transformer``), and
 what a second derivative and ``vmap`` of the block raise (``refusals``), and whether its
-deep copy computes the same and what a pickled copy raises (``copies``); then
+deep copy computes the same and what a pickled copy raises (``copies``), and what
+``torch.compile``, ``load_state_dict(assign=True)`` and in-place writes give (``habits``); then
 it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
 reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``. With
@@ -167,6 +168,43 @@ def copies(module, x: torch.Tensor) -> dict:
     return out
 
 
+def habits(model, sharded: bool, device: str, x: torch.Tensor) -> dict:
+    """What users' habits give on ``model``: its gradients under ``torch.compile`` (the
+    largest difference from eager, relative to the largest gradient),
+    ``load_state_dict(assign=True)`` into a fresh build (whether it computes the same),
+    and an in-place write into each block parameter's local shard (whether it computes
+    what a fresh build loaded with those values computes). Leaves ``model`` as it was."""
+
+    def gradients(run) -> dict:
+        model.zero_grad(set_to_none=True)
+        run(x).square().mean().backward()
+        return full({n: p.grad for n, p in model.named_parameters()})
+
+    eager = gradients(model)
+    compiled = gradients(torch.compile(model))
+    model.zero_grad(set_to_none=True)
+    scale = max(g.abs().max().item() for g in eager.values())
+    out = {"compiled": max((compiled[n] - g).abs().max().item() for n, g in eager.items())
+           / scale}
+    with torch.no_grad():
+        want = model(x)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        assigned = build(sharded, device)
+        assigned.load_state_dict(state, assign=True)
+        out["assign"] = torch.equal(assigned(x), want)
+        for p in model[1].parameters():
+            (p.to_local() if sharded else p).mul_(2)
+        doubled = model(x)
+        loaded = build(sharded, device)
+        loaded.load_state_dict({k: 2 * v if k.startswith("1.") else v
+                                for k, v in state.items()})
+        out["in_place"] = torch.equal(loaded(x), doubled) and not torch.equal(doubled, want)
+        for p in model[1].parameters():
+            (p.to_local() if sharded else p).div_(2)
+        out["restored"] = torch.equal(model(x), want)
+    return out
+
+
 def block() -> FlaxModule:
     return FlaxModule(ReadmeDeep(width=WIDTH, lengths=LENGTHS),
                       example_args=(torch.zeros(BATCH, WIDTH),), seed=7)
@@ -195,8 +233,10 @@ def build(sharded: bool, device: str = "cpu") -> torch.nn.Sequential:
 
 
 def full(model) -> dict:
+    """Every parameter of ``model`` (or a dict of tensors), whole, on the CPU."""
     out = {}
-    for name, p in model.named_parameters():
+    named = model.items() if isinstance(model, dict) else model.named_parameters()
+    for name, p in named:
         value = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = value.detach().cpu().clone()
     return out
@@ -272,6 +312,9 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     report["refusals"] = refusals(model[1], torch.randn(BATCH // world, WIDTH).to(device))
     report["unchanged"] = all(torch.equal(v, before[n]) for n, v in full(model).items())
     report["copies"] = copies(model[1], torch.randn(BATCH // world, WIDTH).to(device))
+    if sharded:  # the reference's habits are the unsharded module's, tested elsewhere
+        report["habits"] = habits(model, sharded, device,
+                                  torch.randn(BATCH // world, 4).to(device))
     torch.save(report, f"{out}.{rank if sharded else 'ref'}.pt")
     # Checkpoints: this run's, and the reference's loaded into this run's layout.
     dcp.save(model.state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",

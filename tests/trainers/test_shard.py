@@ -158,6 +158,13 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         assert "is a DTensor, but this module was not sharded in this process" in (
             report["copies"]["pickled"]), report["copies"]
     assert reference["copies"] == {"deepcopy": True, "pickled": "ran"}
+    # Habits: torch.compile of the model (the block's call a custom op in the graph)
+    # computes eager's gradients; load_state_dict(assign=True) and an in-place write into
+    # a parameter's local shard (an optimizer's way) are seen by the next call.
+    for report in ranks:
+        assert report["habits"]["compiled"] <= 1e-5, report["habits"]
+        assert report["habits"]["assign"] and report["habits"]["restored"], report["habits"]
+        assert report["habits"]["in_place"], report["habits"]
     # 1 -> 2: the reference's checkpoint, loaded into the sharded layout on each rank.
     for r in (0, 1):
         _close(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
