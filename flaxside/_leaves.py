@@ -1,8 +1,8 @@
 """Variable leaves as torch holds them: names, kinds, key and unsigned-dtype codecs.
 
-Shared by the Linen and NNX adapters (``_adapters.py``). Typed PRNG keys cross as raw key
-data so that torch can hold, save and draw them, and unsigned 16/32/64-bit state as the
-signed dtype of its width (``Leaves``); both are restored, bit for bit, inside the program.
+Shared by the Linen and NNX adapters (``_linen.py``, ``_nnx.py``). Typed PRNG keys cross as
+raw key data so that torch can hold, save and draw them, and unsigned 16/32/64-bit state
+as the signed dtype of its width (``Leaves``); both are restored, bit for bit, inside the program.
 """
 
 from __future__ import annotations

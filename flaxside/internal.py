@@ -5,9 +5,7 @@ the torch side that uses it (as ``equinox.internal``). Users want ``flaxside.rem
 and ``flaxside.memory_report``.
 """
 
-from flaxside._adapters import Graph as Graph
 from flaxside._adapters import adapter_for as adapter_for
-from flaxside._adapters import init_linen as init_linen
 from flaxside._conventions import internal_assert as internal_assert
 from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
@@ -17,8 +15,10 @@ from flaxside._higher import vjp_function as vjp_function
 from flaxside._leaves import WriteBack as WriteBack
 from flaxside._leaves import key_data_shape as key_data_shape
 from flaxside._leaves import wrap_keys as wrap_keys
+from flaxside._linen import init_linen as init_linen
 from flaxside._memory import compile_for_report as compile_for_report
 from flaxside._memory import program_report as program_report
+from flaxside._nnx import Graph as Graph
 from flaxside._pack import PACK_BYTES as PACK_BYTES
 from flaxside._pack import unpack as unpack
 from flaxside._program import Program as Program
