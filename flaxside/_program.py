@@ -27,28 +27,18 @@ complex leaves (the conjugate of JAX's), since the caller hands them to torch.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxside._conventions import (
-    check_output_leaf,
-    conj,
-    distinct,
-    internal_assert,
-    memory_space,
-)
+from flaxside._bodies import Structure, TracedBodies
+from flaxside._conventions import internal_assert
 from flaxside._depends import input_masks, linear_in_cotangent
 from flaxside._device import aval, compiling_for
-from flaxside._leaves import is_key
-from flaxside._pack import pack, pack_plan, unpack
 from flaxside._specs import LeafSpec, Learned, ResidualMap, is_differentiable
-from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
 
@@ -56,16 +46,7 @@ PROGRAMS = ("forward", "forward_with_residuals", "backward", "backward_recompute
             "value_and_grad")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Structure:
-    """What one trace of ``fn`` returns besides arrays; equal for every trace."""
-
-    out_treedef: Any
-    n_out: int
-    write_back: Hashable
-
-
-class Program:
+class Program(TracedBodies):
     """The compiled programs for one function and one call signature.
 
     Built once per signature. One abstract trace at construction fixes the output structure,
@@ -127,7 +108,7 @@ class Program:
         with compiling_for(device):  # code traced inside may compile for the device
             closed, (_, learned) = jax.make_jaxpr(abstract, return_shape=True)(
                 [s.aval for s in self.specs])
-        self._structure: _Structure = learned.take()
+        self._structure: Structure = learned.take()
         self.out_treedef = self._structure.out_treedef
         self.n_out = self._structure.n_out
         self.write_back = self._structure.write_back
@@ -158,127 +139,6 @@ class Program:
         self._fwd_res_lowered = None
         self._compiled: dict[str, jax.stages.Compiled] = {}
         self._executables: dict[str, Callable[..., list]] = {}
-
-    # -- traced bodies -----------------------------------------------------------------
-    def _results(self, leaves) -> tuple[list, _Structure]:
-        """``fn`` on the leaves: results (outputs then aux, never aliasing an input)."""
-        out, aux, write_back = self.fn(list(leaves))
-        out_leaves, out_treedef = jtu.tree_flatten(out)
-        for i, leaf in enumerate(out_leaves):
-            check_output_leaf(leaf, out_treedef, i, self.name)
-        results = distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
-        return results, _Structure(out_treedef, len(out_leaves), write_back)
-
-    # Hooks that ``SpmdProgram`` (``_spmd.py``) overrides; here, one device.
-    def _pack_plan(self, avals, alone=None):
-        return pack_plan(avals, alone)
-
-    def _place_results(self, results: list) -> list:
-        """The traced results as they leave a program (placed on one device: as they are)."""
-        return results
-
-    def _pull(self, vjp, cotangents) -> list:
-        """The gradients of the ``diff`` leaves for ``cotangents`` (torch's convention)."""
-        return [conj(g) for g in vjp(self._cotangents(cotangents))]
-
-    def _traced_results(self, leaves) -> list:
-        results, structure = self._results(leaves)
-        if structure != self._structure:
-            raise NotImplementedError(
-                f"{self.name}: the function returned {structure} when traced again, but "
-                f"{self._structure} when first traced; its outputs and the state it writes "
-                f"back must depend on the shapes and dtypes of its inputs alone (no Python "
-                f"state that changes between traces)."
-            )
-        return self._place_results(results)
-
-    def _vjp(self, leaves):
-        """``jax.vjp`` over the diff leaves: ``(results, vjp)``."""
-
-        def differentiated(*diff):
-            full = list(leaves)
-            for i, x in zip(self.diff_index, diff, strict=True):
-                full[i] = x
-            results = self._traced_results(full)
-            return results[: self.n_out], results[self.n_out :]
-
-        outs, vjp, aux = jax.vjp(
-            differentiated, *[leaves[i] for i in self.diff_index], has_aux=True
-        )
-        return list(outs) + list(aux), vjp
-
-    def _cotangents(self, cotangents):
-        """Full cotangents for the outputs from those of the differentiable ones."""
-        cots = iter(cotangents)
-        full = []
-        for s in self.out_specs[: self.n_out]:
-            if s.diff:
-                full.append(conj(next(cots)))
-            elif is_differentiable(s.dtype):
-                full.append(jnp.zeros(s.shape, s.dtype))
-            else:
-                full.append(np.zeros(s.shape, jax.dtypes.float0))
-        return full
-
-    def _forward_body(self, leaves, *fence):
-        self.trace_count += 1
-        return self._traced_results(leaves)
-
-    def _forward_res_body(self, leaves, *fence) -> tuple[list, Learned]:
-        """Results then residual buffers, and the ``ResidualMap`` this trace learned."""
-        self.trace_count += 1
-        leaves = list(leaves)
-        results, vjp = self._vjp(leaves)
-        vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
-        known = {id(x): ("in", j) for j, x in enumerate(leaves)}
-        for k, x in enumerate(results):
-            known.setdefault(id(x), ("out", k))
-        labels, residuals = label_leaves(vjp_leaves, known)
-        saved = {"in": {}, "out": {}}  # leaf index -> position among what is passed again
-        sources = tuple(
-            (kind, i) if kind == "res" else (kind, saved[kind].setdefault(i, len(saved[kind])))
-            for kind, i in labels
-        )
-        # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
-        # leave as raw key data and are wrapped again, with the same implementation.
-        key_impls = tuple(jax.random.key_impl(r) if is_key(r) else None for r in residuals)
-        residuals = [jax.random.key_data(r) if is_key(r) else r for r in residuals]
-        placement, _ = self._pack_plan(residuals,
-                                       [memory_space(r) != "device" for r in residuals])
-        buffers = pack(residuals, placement)
-        residual_map = ResidualMap(
-            vjp_treedef=vjp_treedef, sources=sources, saved_inputs=tuple(saved["in"]),
-            saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=placement,
-            residual_specs=tuple(LeafSpec(tuple(b.shape), np.dtype(b.dtype)) for b in buffers),
-            offloaded=tuple(memory_space(b) != "device" for b in buffers),
-        )
-        return results + buffers, Learned(residual_map)
-
-    def _backward_body(self, saved_inputs, saved_outputs, residuals, cotangents, *fence):
-        self.trace_count += 1
-        rmap = self._residual_map
-        residuals = [
-            r if impl is None else jax.random.wrap_key_data(r, impl=impl)
-            for r, impl in zip(unpack(list(residuals), rmap.pack), rmap.key_impls, strict=True)
-        ]
-        pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
-        vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
-        grads = self._pull(vjp, cotangents)
-        return pack(distinct(grads, list(cotangents) + list(saved_inputs)
-                              + list(saved_outputs) + list(residuals)), self.grad_pack)
-
-    def _backward_recompute_body(self, leaves, cotangents, *fence):
-        self.trace_count += 1
-        _, vjp = self._vjp(list(leaves))
-        grads = self._pull(vjp, cotangents)
-        return pack(distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
-
-    def _value_and_grad_body(self, leaves, *fence):
-        self.trace_count += 1
-        results, vjp = self._vjp(list(leaves))
-        spec = self.out_specs[self.diff_out_index[0]]
-        grads = self._pull(vjp, [jnp.ones(spec.shape, spec.dtype)])
-        return results + pack(distinct(grads, list(leaves) + results), self.grad_pack)
 
     # -- compilation -------------------------------------------------------------------
     def _avals(self, specs) -> list:
