@@ -20,20 +20,10 @@ import torch
 
 import bridge
 from tests.support import pipeline
-from tests.support.closeness import close, on_route
+from tests.support.closeness import ALL_ROUTES, close, route_fixture
 from torchside import FlaxModule
 
-ROUTES = [
-    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
-    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=ROUTES, name="route")
-def _route(request):
-    """Runs the test on the route (``on_route``); yields its torch device."""
-    with on_route(request.param) as device:
-        yield device
+_route = route_fixture(ALL_ROUTES[1:])  # the DLPack routes: fences exist there
 
 
 class MLP(nn.Module):

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
 from tests.support import pipeline
-from tests.support.closeness import close, on_route
+from tests.support.closeness import close, route_fixture
 from torchside import FlaxModule
 
 
@@ -37,18 +37,9 @@ class MLP(nn.Module):
         return nn.Dense(self.width)(jnp.tanh(nn.Dense(self.width)(x)))
 
 
-ROUTES = [
-    pytest.param(("cpu", "auto"), id="cpu-views"),
-    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
-    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
-]
 
 
-@pytest.fixture(params=ROUTES, name="route")
-def _route(request):
-    """Runs the test on the route (``on_route``); yields its torch device."""
-    with on_route(request.param) as device:
-        yield device
+_route = route_fixture()
 
 
 

@@ -12,21 +12,10 @@ import torch
 from torch.utils._pytree import tree_map
 
 import bridge
-from tests.support.closeness import on_route
+from tests.support.closeness import route_fixture
 from torchside import FlaxModule
 
-ROUTES = [
-    pytest.param(("cpu", "auto"), id="cpu-views"),
-    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
-    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=ROUTES, name="route")
-def _route(request):
-    """Runs the test on the route (``on_route``); yields its torch device."""
-    with on_route(request.param) as device:
-        yield device
+_route = route_fixture()
 
 
 class Wrapper(torch.Tensor):

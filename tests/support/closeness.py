@@ -18,6 +18,7 @@ import contextlib
 
 import jax
 import numpy as np
+import pytest
 import torch
 
 RTOL = {"cpu": 1e-5, "cuda": 1e-4}
@@ -78,3 +79,25 @@ def on_route(route: tuple[str, str]):
             yield device
     finally:
         bridge.set_exchange_mode(previous)
+
+
+# The routes a call can take: pointer views on the CPU, the DLPack route (CUDA's exchange
+# code) forced on the CPU, and CUDA itself.
+ALL_ROUTES = (
+    pytest.param(("cpu", "auto"), id="cpu-views"),
+    pytest.param(("cpu", "dlpack"), id="cpu-dlpack"),
+    pytest.param(("cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
+)
+
+
+def route_fixture(routes=ALL_ROUTES):
+    """A ``route`` fixture over ``routes``: runs each test on the route (``on_route``) and
+    yields its torch device. A test module binds it to a name: ``_route = route_fixture()``."""
+
+    @pytest.fixture(params=routes, name="route")
+    def route(request):
+        with on_route(request.param) as device:
+            yield device
+
+    return route
+
