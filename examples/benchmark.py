@@ -29,6 +29,11 @@ What this shows:
       without the bridge, and the torch twin; per order, the programs compiled and run,
       their times and the bytes held for backward.
 
+    * for a deep ``nn.remat_scan`` block trained over 2 torch processes (gloo, CPU;
+      ``_bench_shard.py``): ``torchside.shard`` against FSDP2's ``fully_shard`` of the whole
+      block and pure JAX SPMD on the same mesh; per rank, the step time, the parameter and
+      AdamW bytes held between steps, and each XLA program's peak bytes and collectives.
+
     It prints a table of ratios with PASS/MISS against the project's targets and writes
     four PNG plots (held bytes, time and compile seconds against depth; time against
     leaves). With ``--docs PATH`` it also writes every printed table, the date, the machine
@@ -69,9 +74,10 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmark_out", help="folder for plots and json")
     parser.add_argument(
         "--only",
-        default="tiny,medium,deep,leaves,lm,higher,sweep,leafsweep",
+        default="tiny,medium,deep,leaves,lm,higher,shard,sweep,leafsweep",
         help="comma-separated parts to run: tiny, medium, deep, leaves, lm (real models), "
-             "higher (gradient penalty, PINN), sweep, leafsweep",
+             "higher (gradient penalty, PINN), shard (sharded training over 2 processes), "
+             "sweep, leafsweep",
     )
     parser.add_argument(
         "--cpu-dispatch",
@@ -121,6 +127,7 @@ from _bench_report import (  # noqa: E402
     print_targets,
     print_workloads,
 )
+from _bench_shard import print_shard, shard_rows  # noqa: E402
 from _bench_workloads import (  # noqa: E402
     FLAX_VARIANTS,
     RematScan,
@@ -138,7 +145,9 @@ SIZES = {
     # medium_width; deep = (depth, width, batch); leaves = depth of the unrolled stack;
     # depths of the sweep; budget = seconds of timed calls per workload (rounds fill it);
     # sync_row = also measure TINY with synchronous JAX CPU dispatch (child process);
-    # leaf_counts = parameter leaves of the leaf-count sweep, at a fixed total size.
+    # leaf_counts = parameter leaves of the leaf-count sweep, at a fixed total size;
+    # shard = the block trained over 2 processes: remat_scan lengths, width, batch per rank
+    # (its rounds: min_repeats).
     "full": dict(
         medium_width=512,
         deep=(128, 128, 64),
@@ -150,6 +159,7 @@ SIZES = {
         sweep_repeats=5,
         sync_row=True,
         leaf_counts=(1, 4, 16, 64, 256, 1024, 4096),
+        shard=dict(lengths=(4, 4), width=256, batch=64),
     ),
     "quick": dict(
         medium_width=256,
@@ -162,6 +172,7 @@ SIZES = {
         sweep_repeats=1,
         sync_row=False,
         leaf_counts=(1, 64, 1024),
+        shard=dict(lengths=(4, 2), width=256, batch=32),
     ),
     "smoke": dict(
         medium_width=32,
@@ -174,6 +185,7 @@ SIZES = {
         sweep_repeats=1,
         sync_row=True,
         leaf_counts=(1, 4),
+        shard=dict(lengths=(2, 2), width=16, batch=4),
     ),
 }
 
@@ -321,8 +333,8 @@ def main() -> None:
         flush=True,
     )
     start = time.perf_counter()
-    results = {"size": size_name, "workloads": [], "lm": [], "higher": [], "sweep": [],
-               "leaf_sweep": None}
+    results = {"size": size_name, "workloads": [], "lm": [], "higher": [], "shard": [],
+               "sweep": [], "leaf_sweep": None}
     for w in workloads(parts, size):
         t0 = time.perf_counter()
         results["workloads"].append(run_workload(w, size))
@@ -338,6 +350,8 @@ def main() -> None:
         print(f"  LM: GPT-2-shaped models: {time.perf_counter() - t0:.0f} s", flush=True)
     if "higher" in parts:
         results["higher"] = higher_rows(size_name, size)
+    if "shard" in parts:
+        results["shard"] = shard_rows(size_name, size)
     if "sweep" in parts:
         print(f"  sweep over depths {size['depths']} (width 64, batch 32)", flush=True)
         results["sweep"] = sweep(size["depths"], size)
@@ -363,8 +377,10 @@ def main() -> None:
     lm_targets, lm_tables = print_lm(results["lm"], fmt_time) if results["lm"] else ([], "")
     higher_targets, higher_tables = (print_higher(results["higher"]) if results["higher"]
                                      else ([], ""))
-    tables[1:1] = [lm_tables, higher_tables]
-    tables.append(print_targets(results, lm_targets + higher_targets))
+    shard_targets, shard_tables = (print_shard(results["shard"]) if results["shard"]
+                                   else ([], ""))
+    tables[1:1] = [lm_tables, higher_tables, shard_tables]
+    tables.append(print_targets(results, lm_targets + higher_targets + shard_targets))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     if args.docs:

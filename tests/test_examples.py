@@ -117,6 +117,9 @@ def _check_benchmark(done, out) -> None:
         # The floor runs the programs the bridge compiled, one per order and kind.
         assert all(p["compiled"] == 1 and p["runs"] >= 1 for p in r["programs"]), r
     assert max(p["order"] for p in higher["PINN"]["programs"]) == 3
+    (shard,) = results["shard"]  # 2 processes: sharded, fully_shard whole, pure JAX SPMD
+    assert shard["mismatch"] < 1e-4, shard["losses"]
+    assert set(shard["times"]) == {"sharded", "fully_shard whole", "pure JAX SPMD"}
 
 
 def _check_pinn(done, out) -> None:

@@ -1,0 +1,398 @@
+"""Sharded training of a deep Flax block over 2 torch processes (gloo, CPU), three ways.
+
+One ``_bench_workloads.RematScan`` stack, the same weights and data, trained with AdamW on
+one 2-process mesh as ``sharded`` (``torchside.shard(FlaxModule(...))``: DTensor shards,
+one SPMD program per call that gathers a layer per scan iteration, NOTE [Sharded blocks]),
+``fully_shard whole`` (the same ``FlaxModule`` unsharded under FSDP2's ``fully_shard`` as
+one unit: each rank gathers and holds every layer for the step) and ``pure JAX SPMD`` (the
+Flax block on the JAX distributed runtime ``shard`` brought up, parameters sharded on the
+dimensions ``shard`` chose, one jitted step of ``value_and_grad`` and ``optax.adamw``,
+parameters and state donated). The two torch contestants use ``torch.optim.AdamW``.
+
+A step: forward on the rank's half of the batch, MSE loss, backward, update. Each contestant
+first runs two checked steps: the global losses of step 1 (the forward, same weights) and
+step 2 (after one update: gradients and AdamW) must agree, or no times are printed.
+
+How to run: ``python examples/benchmark.py --only shard --quick``; it starts the workers,
+``python examples/_bench_shard.py --worker RANK WORLD PORT OUT SPEC``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NAMES = ("sharded", "fully_shard whole", "pure JAX SPMD")
+WORLD = 2
+LR, WEIGHT_DECAY = 1e-3, 1e-2  # torch.optim.AdamW and optax.adamw, same betas and eps
+# Sharded step <= this x pure JAX SPMD. The bridge runs a step as two SPMD programs (forward
+# with residuals, backward; between them the collectives per layer of the fused program)
+# with torch's autograd between them, then torch's AdamW over DTensors, op by op; pure JAX
+# fuses forward, backward and update into one program. On one process the split costs a
+# few percent against jit(value_and_grad) (the DEEP rows); AdamW's per-op dispatch over
+# DTensors is the rest, a fixed cost per leaf that a deep block's step should dwarf.
+TARGET = 1.5
+AGREE = 1e-4  # relative difference of the checked losses, float32 sums in three orders
+
+
+# -- one worker process ---------------------------------------------------------------------
+def _local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor's local shard)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
+_COLLECTIVE = re.compile(
+    r"\b(?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _program(compiled) -> dict:
+    """An executable's peak bytes (XLA: arguments + outputs + temporaries - donated) and its
+    collective ops (static counts) in while-loop bodies (run per iteration) and elsewhere."""
+    m = compiled.memory_analysis()
+    text = compiled.as_text()
+    bodies = set(re.findall(r"\bbody=%([\w.\-]+)", text))
+    counts = [0, 0]
+    for computation in re.split(r"\n(?=[%A-Z])", text):
+        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", computation)
+        inside = bool(name) and name.group(1) in bodies
+        counts[0 if inside else 1] += len(_COLLECTIVE.findall(computation))
+    return dict(peak=m.argument_size_in_bytes + m.output_size_in_bytes
+                + m.temp_size_in_bytes - m.alias_size_in_bytes,
+                in_loops=counts[0], elsewhere=counts[1])
+
+
+def _bridge_programs(module) -> dict:
+    """Per program kind a ``FlaxModule``'s calls ran, its ``_program`` figures.
+
+    Reads the module's call cache, read only, as ``tests/support/pipeline.py`` does
+    (internals: no public API lists the executables a call ran).
+    """
+    return {kind: _program(e.program.compiled(kind))
+            for e in module._caller.entries for kind in e._executables}
+
+
+def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from flax.traverse_util import unflatten_dict
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    sys.path.insert(0, str(HERE))
+    from _bench_workloads import RematScan
+
+    from torchside import FlaxModule, shard
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # one core per rank
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    lengths, width, batch = tuple(spec["lengths"]), spec["width"], spec["batch"]
+    flax_block = RematScan(width, lengths)
+
+    def build():  # on meta: nothing allocated, no JAX backend started (NOTE [Sharded blocks])
+        with torch.device("meta"):
+            return FlaxModule(flax_block, example_args=(torch.zeros(batch, width),), seed=0)
+
+    mesh = init_device_mesh("cpu", (world,))  # the CPU, even where CUDA is available
+    sharded = build()
+    shard(sharded, mesh)  # JAX's distributed runtime starts here
+    sharded.to_empty(device="cpu")
+    sharded.reset_parameters()  # each rank computes its own shards
+    initial = {n: p.full_tensor() for n, p in sharded.named_parameters()}
+    whole = build()
+    whole.to_empty(device="cpu")
+    whole.load_state_dict(initial)
+    fully_shard(whole, mesh=mesh)  # one FSDP2 unit: the whole block gathered for each step
+
+    rng = np.random.default_rng(1)
+    x_all, y_all = (rng.standard_normal((world * batch, width), dtype=np.float32)
+                    for _ in range(2))
+    rows = slice(rank * batch, (rank + 1) * batch)
+    x, y = torch.from_numpy(x_all[rows]), torch.from_numpy(y_all[rows])
+
+    opts = {}
+
+    def torch_step(name, model):
+        opt = opts[name] = torch.optim.AdamW(model.parameters(), lr=LR,
+                                             weight_decay=WEIGHT_DECAY)
+
+        def step():
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    # Pure JAX on the mesh shard() made: one device per process, in process order.
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)
+    jax_mesh = jax.sharding.Mesh(np.array(devices), ("ranks",))
+    local = jax.local_devices()[0]
+
+    def global_array(value: np.ndarray, shape: tuple, dim: int | None):
+        """The global array whose shard on this process is ``value`` (sharded on ``dim``)."""
+        sharding = NamedSharding(jax_mesh, P(*("ranks" if d == dim else None
+                                               for d in range(len(shape)))))
+        # A copy: the step donates its parameters; torch's storage stays the torch side's.
+        return jax.make_array_from_single_device_arrays(
+            shape, sharding, [jax.device_put(np.array(value, copy=True), local)])
+
+    dims = {n: p.placements[0].dim if isinstance(p.placements[0], Shard) else None
+            for n, p in sharded.named_parameters()}
+    variables = unflatten_dict({  # "params.stack.Dense_0.bias": Flax's path, dotted
+        tuple(n.split(".")): global_array(p.to_local().detach().numpy(), tuple(p.shape),
+                                          dims[n]) for n, p in sharded.named_parameters()})
+    xg, yg = (global_array(a[rows], a.shape, 0) for a in (x_all, y_all))
+    tx = optax.adamw(LR, weight_decay=WEIGHT_DECAY)  # betas (0.9, 0.999), eps 1e-8: torch's
+
+    def loss_fn(v, x, y):
+        return jnp.mean((flax_block.apply(v, x) - y) ** 2)
+
+    def train_step(v, state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(v, x, y)
+        updates, state = tx.update(grads, state, v)
+        return optax.apply_updates(v, updates), state, loss
+
+    # Each moment sharded as its parameter, the step counter replicated; the step's
+    # outputs pinned to its inputs' shardings, so that donation reuses every buffer.
+    replicated = NamedSharding(jax_mesh, P())
+    state_shardings = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, variables), variables,
+        transform_non_params=lambda _: replicated)
+    box = [variables, jax.jit(tx.init, out_shardings=state_shardings)(variables)]
+    jitted = jax.jit(train_step, donate_argnums=(0, 1),
+                     out_shardings=(jax.tree.map(lambda a: a.sharding, variables),
+                                    state_shardings, replicated))
+
+    compiled = []  # compiled once, ahead: its memory analysis is that of the program run
+
+    def jax_step():
+        if not compiled:
+            compiled.append(jitted.lower(*box, xg, yg).compile())
+        box[0], box[1], loss = compiled[0](box[0], box[1], xg, yg)
+        jax.block_until_ready((box, loss))
+        return loss
+
+    steps = {"sharded": torch_step("sharded", sharded),
+             "fully_shard whole": torch_step("fully_shard whole", whole),
+             "pure JAX SPMD": jax_step}
+
+    def global_loss(loss) -> float:
+        if isinstance(loss, jax.Array):  # the mean over the global batch, replicated
+            return float(loss.addressable_data(0))
+        loss = loss.clone()
+        dist.all_reduce(loss)  # each rank's mean over its half; halves of equal size
+        return float(loss) / world
+
+    report = {"first": {}, "losses": {}, "times": {n: [] for n in NAMES}, "dims": dims}
+    for name in NAMES:  # the checked steps, the first one compiling
+        dist.barrier()
+        start = time.perf_counter()
+        loss = steps[name]()
+        report["first"][name] = time.perf_counter() - start
+        report["losses"][name] = [global_loss(loss), global_loss(steps[name]())]
+        for _ in range(spec["warmup"]):
+            steps[name]()
+    for _ in range(spec["rounds"]):  # interleaved: machine noise hits every contestant alike
+        for name in NAMES:
+            dist.barrier()  # both ranks start the step together: a round's time is the max
+            start = time.perf_counter()
+            steps[name]()
+            report["times"][name].append(time.perf_counter() - start)
+
+    def addressable(tree) -> int:
+        return sum(a.addressable_data(0).nbytes for a in jax.tree.leaves(tree) if a.ndim)
+
+    report["held"] = {
+        name: {"params": _local_bytes(module.parameters()),
+               "optimizer": _local_bytes(v for p in module.parameters()  # 0-d steps aside
+                                         for v in opts[name].state[p].values() if v.dim())}
+        for name, module in (("sharded", sharded), ("fully_shard whole", whole))}
+    report["held"]["pure JAX SPMD"] = {"params": addressable(box[0]),
+                                       "optimizer": addressable(box[1])}
+    report["programs"] = {
+        "sharded": _bridge_programs(sharded), "fully_shard whole": _bridge_programs(whole),
+        "pure JAX SPMD": {"step": _program(compiled[0])}}
+    report["whole_params"] = sum(p.numel() * p.element_size() for p in initial.values())
+    report["depth"] = math.prod(lengths)
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the parent: launch, wait, combine --------------------------------------------------------
+def shard_rows(size_name: str, size: dict) -> list[dict]:
+    """Runs the 2 worker processes at ``size["shard"]`` and returns the table's one row.
+
+    ``size``'s ``warmup`` steps follow the two checked ones; ``min_repeats`` rounds are timed.
+
+    Raises:
+        RuntimeError: a worker failed or ran past its time (its log's tail says why).
+    """
+    spec = dict(size["shard"], warmup=size["warmup"], rounds=size["min_repeats"])
+    lengths, width, batch = spec["lengths"], spec["width"], spec["batch"]
+    describe = (f"RematScan: {math.prod(lengths)} layers, nn.remat_scan{tuple(lengths)}, "
+                f"width {width}, batch {batch} per rank x {WORLD} ranks (gloo, CPU)")
+    t0 = time.perf_counter()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY=os.environ.get(
+        "OMP_WAIT_POLICY", "PASSIVE"), PYTHONPATH=os.pathsep.join(
+        p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "shard")
+        with socket.socket() as sock:  # a free port for torch's rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        logs = [Path(tmp) / f"rank{r}.log" for r in range(WORLD)]
+        procs = []
+        # Output to files, not pipes: a rank blocked on a full pipe would hang the other.
+        for rank, log in enumerate(logs):
+            with open(log, "w") as sink:
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "--worker", str(rank), str(WORLD), str(port),
+                     out, json.dumps(spec)], env=env, stdout=sink, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 600
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # killed below: its exit code says so
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            tails = "\n".join(f"rank {r} exited with {p.returncode}:\n{log.read_text()[-3000:]}"
+                              for r, (p, log) in enumerate(zip(procs, logs, strict=True)))
+            raise RuntimeError(f"shard_rows({size_name!r}): a worker failed\n{tails}")
+        ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(WORLD)]
+    # A round's time is its slower rank's (the ranks wait for each other at every gather).
+    times = {n: statistics.median(map(max, zip(*(r["times"][n] for r in ranks), strict=True)))
+             for n in NAMES}
+    losses, reference = ranks[0]["losses"], ranks[0]["losses"]["pure JAX SPMD"]
+    mismatch = max(abs(v - r) / abs(r) for n in NAMES
+                   for v, r in zip(losses[n], reference, strict=True))
+    print(f"  SHARD: {describe}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return [dict(name="SHARD", describe=describe, times=times, rounds=spec["rounds"],
+                 rank_medians={n: [statistics.median(r["times"][n]) for r in ranks]
+                               for n in NAMES},
+                 first={n: max(r["first"][n] for r in ranks) for n in NAMES},
+                 losses=losses, mismatch=mismatch, held=[r["held"] for r in ranks],
+                 programs=[r["programs"] for r in ranks], dims=ranks[0]["dims"],
+                 whole_params=ranks[0]["whole_params"], depth=ranks[0]["depth"])]
+
+
+# -- the printed tables ------------------------------------------------------------------------
+def _ranks(values: list, fmt) -> str:
+    """One figure if every rank has it, else each rank's, ``rank 0 / rank 1``."""
+    return fmt(values[0]) if len(set(values)) == 1 else " / ".join(map(fmt, values))
+
+
+def print_shard(rows: list[dict]) -> tuple[list[list[str]], str]:
+    """Prints the sharded-training tables (``shard_rows``).
+
+    Returns:
+        The target rows for the summary, and the printed tables as markdown.
+    """
+    from _bench_report import _table, _verdict, fmt_bytes, fmt_time
+
+    targets, md = [], []
+    for r in rows:
+        title = (f"Sharded training over {WORLD} processes: median step (the slower rank's, "
+                 f"per round), bytes per rank")
+        print(title)
+        losses = ", ".join(f"{n} {v[0]:.6g} then {v[1]:.6g}" for n, v in r["losses"].items())
+        head = [f"{r['describe']}; {r['rounds']} rounds",
+                f"global loss of step 1 and step 2: {losses}; max relative difference "
+                f"{r['mismatch']:.1e}"]
+        for line in head:
+            print(f"  {line}")
+        md += [f"### {title}", "", *(f"- {line[0].upper()}{line[1:]}." for line in head), ""]
+        targets.append([f"{r['name']}: the three contestants compute the same losses",
+                        "max |loss - pure JAX| / |loss|, steps 1 and 2",
+                        f"{r['mismatch']:.1e}", _verdict(r["mismatch"] <= AGREE)])
+        if r["mismatch"] > AGREE:  # different computations: their times compare nothing
+            print("  times not reported: the contestants disagree\n")
+            md += ["- Times not reported: the contestants disagree.", ""]
+            continue
+        t, base, fsdp = r["times"], r["times"]["pure JAX SPMD"], r["times"]["fully_shard whole"]
+        whole, layer = r["whole_params"], r["whole_params"] // r["depth"]
+        table = []
+        for n in NAMES:
+            peaks = [max(p["peak"] for p in ranks[n].values()) for ranks in r["programs"]]
+            table.append([n, fmt_time(t[n]), f"{t[n] / base:.2f}x", f"{t[n] / fsdp:.2f}x",
+                          " / ".join(fmt_time(s) for s in r["rank_medians"][n]),
+                          _ranks([h[n]["params"] for h in r["held"]], fmt_bytes),
+                          _ranks([h[n]["optimizer"] for h in r["held"]], fmt_bytes),
+                          _ranks(peaks, fmt_bytes), fmt_time(r["first"][n])])
+        md += [_table(["contestant", "step", "vs pure JAX", "vs fully_shard", "rank 0 / 1",
+                       "params held", "AdamW state held", "largest program peak",
+                       "first step"], table), ""]
+        programs = [[n, kind, _ranks([ranks[n][kind]["peak"] for ranks in r["programs"]],
+                                     fmt_bytes),
+                     str(p["in_loops"]), str(p["elsewhere"])]
+                    for n in NAMES for kind, p in r["programs"][0][n].items()]
+        md += [_table(["contestant", "XLA program", "peak", "collectives in loop bodies",
+                       "elsewhere"], programs), ""]
+        notes = [
+            "step: forward on the rank's half batch, MSE loss, backward, AdamW update; median "
+            "over rounds of the slower rank's time (rank 0 / 1: each rank's median); first "
+            "step: compiling included",
+            f"held: a rank's parameters and AdamW moments between steps (local shards); the "
+            f"whole block is {fmt_bytes(whole)} of parameters, {fmt_bytes(3 * whole)} with "
+            f"the moments, one layer {fmt_bytes(layer)}",
+            "peak: XLA's memory analysis of a program on that rank (arguments + outputs + "
+            "temporaries - donated); collectives: its HLO's, static counts, those in loop "
+            "bodies run once per scan iteration (per layer), the others once per call",
+            f"the bridge's programs hold neither the AdamW state nor FSDP2's shards; for "
+            f"fully_shard whole they take the gathered whole block ({fmt_bytes(whole)}) and "
+            f"the backward returns full-size gradients ({fmt_bytes(whole)}) before FSDP2's "
+            f"reduce-scatter; FSDP2's own collectives (torch gloo: one all-gather of the "
+            f"block, kept through the backward as FSDP2 does for a root module, one "
+            f"reduce-scatter) are not in them; pure JAX's one program takes and returns "
+            f"(donated) the parameters and AdamW state: its peak includes what is held",
+            "sharded on: " + ", ".join(f"{n.split('.', 2)[-1]} dim {d}"
+                                       for n, d in r["dims"].items()),
+        ]
+        for note in notes:
+            print(f"  {note}")
+        print()
+        md += [f"- {note[0].upper()}{note[1:]}." for note in notes] + [""]
+        held = max(h["sharded"]["params"] + h["sharded"]["optimizer"] for h in r["held"])
+        limit = 3 * whole // WORLD + 3 * layer  # parameters and two moments
+        targets.append([f"{r['name']}: sharded params + AdamW state per rank <= "
+                        f"whole / {WORLD} + one layer",
+                        f"{fmt_bytes(held)} vs {fmt_bytes(limit)}",
+                        f"{held / (3 * whole):.2f} of whole", _verdict(held <= limit)])
+        ratio = t["sharded"] / base
+        targets.append([f"{r['name']}: sharded step <= {TARGET}x pure JAX SPMD",
+                        f"{fmt_time(t['sharded'])} vs {fmt_time(base)}", f"{ratio:.2f}x",
+                        _verdict(ratio <= TARGET)])
+    return targets, "\n".join(md)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    rank_, world_, port_, out_, spec_ = sys.argv[2:7]
+    _worker(int(rank_), int(world_), int(port_), out_, json.loads(spec_))
