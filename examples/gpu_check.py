@@ -15,7 +15,10 @@ What this shows, on a machine with a CUDA GPU and a CUDA build of jaxlib:
 * two allocators on one GPU: torch's and JAX's peak pool bytes over a training step of a
   deep remat-scan block (torch layers around it), and the bytes that block holds for
   backward next to the same depth without remat;
-* the benchmark's leaf-count sweep on the GPU: what a call costs per parameter tensor.
+* the benchmark's leaf-count sweep on the GPU: what a call costs per parameter tensor;
+* with two or more GPUs, ``examples/train_sharded.py`` under torchrun over NCCL (one GPU
+  per rank): it trains, holds at most half the block plus a layer per rank, and reloads its
+  DCP checkpoint into a model that computes the same.
 
 Without a GPU it says so and exits 0.
 
@@ -159,6 +162,24 @@ def allocator_rows() -> list[tuple[str, str]]:
     return rows
 
 
+def sharded_example_rows() -> list:
+    """``examples/train_sharded.py`` on two GPUs over NCCL, as its docstring runs it."""
+    name = "examples/train_sharded.py, torchrun on 2 GPUs (NCCL)"
+    if torch.cuda.device_count() < 2:
+        return [(name, "SKIPPED (needs two GPUs)")]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", str(ROOT / "examples" / "train_sharded.py"), "--steps", "20"],
+        env=_env({}), capture_output=True, text=True, timeout=900)
+    bounded = len([line for line in done.stdout.splitlines()
+                   if line.startswith("rank ") and ": yes)" in line]) == 2
+    same = "computes the same outputs on every rank" in done.stdout
+    if done.returncode == 0 and bounded and same:
+        return [(name, "PASSED")]
+    print(f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return [(name, f"exit {done.returncode}" if done.returncode else "FAILED")]
+
+
 def main() -> int:
     if not gpu_available():
         print("gpu_check: no CUDA GPU visible to both torch and JAX here; nothing to check.")
@@ -180,6 +201,7 @@ def main() -> int:
         rows += more
         codes.append(code)
     rows += allocator_rows()
+    rows += sharded_example_rows()
     width = max(len(r[0]) for r in rows)
     print(f"{'check'.ljust(width)}  result")
     for name, status in rows:
