@@ -18,6 +18,7 @@ How to run (a CPU-only machine: gloo; with GPUs: NCCL, one GPU per rank):
 """
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -112,9 +113,7 @@ def main() -> None:
         p.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
-    layers = 1
-    for n in args.lengths:
-        layers *= n
+    layers = math.prod(args.lengths)
     say(f"{world} ranks, a {layers}-layer remat_scan block of width {args.width}, "
         f"batch {args.batch} per rank, on {device.type}")
     start = time.perf_counter()

@@ -37,10 +37,7 @@ class MLP(nn.Module):
         return nn.Dense(self.width)(jnp.tanh(nn.Dense(self.width)(x)))
 
 
-
-
 _route = route_fixture()
-
 
 
 def _width(device: str) -> int:

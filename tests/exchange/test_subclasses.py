@@ -2,8 +2,9 @@
 
 Such a wrapper reports address 0, and its ``__dlpack__`` exports a capsule over address 0
 with the wrapper's shape, which JAX accepts: the forced-DLPack run of the sharded-block
-test crashed in a pickled copy's call. Each test here fails (a crash, or a result read
-from address 0) without the refusal, on every route.
+test crashed in a pickled copy's call. Without the refusal each test here fails: on the
+DLPack route JAX reads address 0 (the process crashes), on the views route numpy raises
+its own ValueError about a NULL data pointer, which names nothing.
 """
 
 import flax.linen as nn

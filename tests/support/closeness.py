@@ -100,4 +100,3 @@ def route_fixture(routes=ALL_ROUTES):
             yield device
 
     return route
-
