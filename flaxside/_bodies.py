@@ -1,11 +1,12 @@
 """The traced bodies of ``Program``'s executables (``_program.py``): what each computes.
 
 ``TracedBodies`` is ``Program``'s base: its methods are traced by ``jax.jit`` when a
-program is lowered, and read the attributes ``Program.__init__`` sets (``fn``, ``specs``,
-``name``, ``diff_index``, ``out_specs``, ``n_out``, ``grad_pack``, ``trace_count``, the
-first trace's structure and the residual map). The hooks ``_pack_plan``,
-``_place_results`` and ``_pull`` are what ``SpmdProgram`` (``_spmd.py``) overrides to
-lower the same bodies over a mesh.
+program is lowered, and read the attributes ``Program.__init__`` sets (``fn``, ``name``,
+``diff_index``, ``n_out``, ``grad_pack``, ``trace_count``, the traced specs and shardings,
+the first trace's structure and the residual map). What depends on where the program runs
+(packing, the results' shardings, FSDP's mean in the pull) is asked of ``placement``
+(NOTE [Placement] in ``_placement.py``), so the same bodies run on one device and over a
+mesh.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 
 from flaxside._conventions import check_output_leaf, conj, distinct, memory_space
 from flaxside._leaves import is_key
-from flaxside._pack import pack, pack_plan, unpack
-from flaxside._specs import LeafSpec, Learned, ResidualMap, is_differentiable
+from flaxside._pack import pack, unpack
+from flaxside._specs import Carrying, LeafSpec, Learned, ResidualMap, is_differentiable
 from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
@@ -48,17 +49,22 @@ class TracedBodies:
         results = distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
         return results, Structure(out_treedef, len(out_leaves), write_back)
 
-    # Hooks that ``SpmdProgram`` (``_spmd.py``) overrides; here, one device.
-    def _pack_plan(self, avals, alone=None):
-        return pack_plan(avals, alone)
+    def _pull(self, vjp, cotangents, index=None) -> list:
+        """The gradients for ``cotangents`` (torch's convention) of the leaves at ``index``.
 
-    def _place_results(self, results: list) -> list:
-        """The traced results as they leave a program (placed on one device: as they are)."""
-        return results
+        ``vjp`` differentiates the leaves at ``index`` (``None``: every ``diff`` leaf).
+        Each gradient has its leaf's sharding; over a mesh, FSDP's mean for leaves not in
+        the batch.
+        """
+        placement = self.placement
+        index = self.diff_index if index is None else index
 
-    def _pull(self, vjp, cotangents) -> list:
-        """The gradients of the ``diff`` leaves for ``cotangents`` (torch's convention)."""
-        return [conj(g) for g in vjp(self._cotangents(cotangents))]
+        def pull(cots):
+            return [conj(g) for g in vjp(self._cotangents(cots))]
+
+        grads = placement.pull(pull, list(cotangents), self._sharded_diff_outputs, index)
+        return [placement.constrain(g, self._in_shardings[i])
+                for g, i in zip(grads, index, strict=True)]
 
     def _traced_results(self, leaves) -> list:
         results, structure = self._results(leaves)
@@ -69,7 +75,8 @@ class TracedBodies:
                 f"back must depend on the shapes and dtypes of its inputs alone (no Python "
                 f"state that changes between traces)."
             )
-        return self._place_results(results)
+        constrain = self.placement.constrain
+        return [constrain(r, s) for r, s in zip(results, self._out_shardings, strict=True)]
 
     def _vjp(self, leaves):
         """``jax.vjp`` over the diff leaves: ``(results, vjp)``."""
@@ -87,10 +94,10 @@ class TracedBodies:
         return list(outs) + list(aux), vjp
 
     def _cotangents(self, cotangents):
-        """Full cotangents for the outputs from those of the differentiable ones."""
+        """Full cotangents for the outputs (traced shapes) from the differentiable ones'."""
         cots = iter(cotangents)
         full = []
-        for s in self.out_specs[: self.n_out]:
+        for s in self._traced_out[: self.n_out]:
             if s.diff:
                 full.append(conj(next(cots)))
             elif is_differentiable(s.dtype):
@@ -103,8 +110,8 @@ class TracedBodies:
         self.trace_count += 1
         return self._traced_results(leaves)
 
-    def _forward_res_body(self, leaves, *fence) -> tuple[list, Learned]:
-        """Results then residual buffers, and the ``ResidualMap`` this trace learned."""
+    def _forward_res_body(self, leaves, *fence) -> Carrying:
+        """Results then residual buffers, carrying the ``ResidualMap`` this trace learned."""
         self.trace_count += 1
         leaves = list(leaves)
         results, vjp = self._vjp(leaves)
@@ -122,16 +129,16 @@ class TracedBodies:
         # leave as raw key data and are wrapped again, with the same implementation.
         key_impls = tuple(jax.random.key_impl(r) if is_key(r) else None for r in residuals)
         residuals = [jax.random.key_data(r) if is_key(r) else r for r in residuals]
-        placement, _ = self._pack_plan(residuals,
-                                       [memory_space(r) != "device" for r in residuals])
-        buffers = pack(residuals, placement)
+        packing, _ = self.placement.pack_plan(
+            residuals, [memory_space(r) != "device" for r in residuals])
+        buffers = pack(residuals, packing)
         residual_map = ResidualMap(
             vjp_treedef=vjp_treedef, sources=sources, saved_inputs=tuple(saved["in"]),
-            saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=placement,
+            saved_outputs=tuple(saved["out"]), key_impls=key_impls, pack=packing,
             residual_specs=tuple(LeafSpec(tuple(b.shape), np.dtype(b.dtype)) for b in buffers),
             offloaded=tuple(memory_space(b) != "device" for b in buffers),
         )
-        return results + buffers, Learned(residual_map)
+        return Carrying(results + buffers, Learned(residual_map))
 
     def _backward_body(self, saved_inputs, saved_outputs, residuals, cotangents, *fence):
         self.trace_count += 1
@@ -155,6 +162,6 @@ class TracedBodies:
     def _value_and_grad_body(self, leaves, *fence):
         self.trace_count += 1
         results, vjp = self._vjp(list(leaves))
-        spec = self.out_specs[self.diff_out_index[0]]
+        spec = self._traced_out[self.diff_out_index[0]]
         grads = self._pull(vjp, [jnp.ones(spec.shape, spec.dtype)])
         return results + pack(distinct(grads, list(leaves) + results), self.grad_pack)

@@ -13,7 +13,6 @@ import contextlib
 import contextvars
 
 import jax
-from jax.sharding import SingleDeviceSharding
 
 _target: contextvars.ContextVar = contextvars.ContextVar("flaxside_target_device",
                                                          default=None)
@@ -40,13 +39,6 @@ def compiling_for(device):
             yield
     finally:
         _target.reset(token)
-
-
-def aval(shape, dtype, device) -> jax.ShapeDtypeStruct:
-    """An abstract value placed on ``device`` (unplaced for ``None``)."""
-    if device is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
 
 
 def jax_default_device():

@@ -10,8 +10,8 @@ exactly what the program's first-order executables compute:
   recomputed inside;
 * ``jvp_function(program)``: ``g(leaves, tangents) -> (outputs, output tangents)`` for the
   differentiable outputs (forward mode: ``jax.jvp``);
-* ``batched_function(program, in_axes, rng_axis)``: the program's results under
-  ``jax.vmap`` (for torch.func's ``vmap``).
+* ``batched_function(program, in_axes)``: the program's results under ``jax.vmap`` (for
+  torch.func's ``vmap``; a batched RNG leaf gives each entry its own key).
 
 Each is an ordinary JAX function: the torch side wraps it in a call of its own, whose
 backward is the VJP of this one, and so on, to any order JAX can differentiate.
@@ -50,7 +50,7 @@ def vjp_function(program: Program, wanted: tuple[int, ...] | None = None) -> Cal
             return program._traced_results(full)[:n_out]
 
         _, vjp = jax.vjp(differentiated, *[leaves[i] for i in index])
-        return program._pull(vjp, list(cotangents))
+        return program._pull(vjp, list(cotangents), index)
 
     return f
 

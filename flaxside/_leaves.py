@@ -190,3 +190,10 @@ class Leaves:
     def variables(self, leaves):
         """The Flax state for a list of leaf values as torch holds them (typed keys)."""
         return jtu.tree_unflatten(self.treedef, self.restore_all(list(leaves)))
+
+    def partition_names(self, axis_rules=None) -> list:
+        """Per leaf, the mesh axis names its partitioning metadata gives its dimensions.
+
+        ``None`` for a leaf without metadata (every leaf here; Linen reads its boxes).
+        """
+        return [None] * len(self.names)

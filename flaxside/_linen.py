@@ -84,6 +84,27 @@ class LinenAdapter(Leaves):
         mutable = set(self.mutable_collections(training))
         return tuple(i for i, c in enumerate(self._collections) if c in mutable)
 
+    def partition_names(self, axis_rules=None) -> list:
+        """Per leaf, the mesh axis names ``nn.with_partitioning`` gives its dimensions.
+
+        ``nn.with_logical_partitioning``'s names go through ``axis_rules`` (Flax's logical
+        axis rules); ``None`` for a leaf without metadata.
+        """
+        n = len(self.names)
+        tree = self.treedef.unflatten(list(range(n)))
+        out = [None] * n
+
+        def visit(x):
+            if isinstance(x, nn.Partitioned):
+                names = x.names
+                if isinstance(x, nn.LogicallyPartitioned):
+                    names = tuple(nn.logical_to_mesh_axes(names, axis_rules or ()))
+                out[x.value] = tuple(names)
+            return x
+
+        jtu.tree_map(visit, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+        return out
+
     def make_apply(self, training: bool):
         """``apply(state, *args, **kwargs) -> (outputs, updates, WriteBack)`` for one mode."""
         mutable = self.mutable_collections(training)

@@ -13,6 +13,7 @@ from flax import nnx
 
 from flaxside._device import describe, jax_default_device
 from flaxside._flat import ARRAY, flat_apply
+from flaxside._placement import OnDevice
 from flaxside._program import Program
 from flaxside._specs import LeafSpec, is_differentiable
 
@@ -165,53 +166,52 @@ def memory_report(target, *example_args, variables=None, seed: int = 0, device=N
     if device is None:
         device = _device_of(arg_leaves) or jax_default_device()
     program = Program(fn, specs, name=f"memory_report({type(target).__name__})",
-                      device=device)
+                      placement=OnDevice(device))
     return program_report(
-        program, param_bytes=_nbytes(s for s, p in zip(specs, param_mask, strict=False) if p))
+        program, param_bytes=_nbytes(s for s, p in zip(specs, param_mask, strict=False) if p),
+        held=program.residual_map().residual_specs)
 
 
-def compile_for_report(program: Program, recompute: bool = False,
-                       fused: bool = False) -> dict[str, tuple]:
+TRAINING = ("forward_with_residuals", "backward")  # a training call's programs, by default
+
+
+def compile_for_report(program: Program,
+                       programs: tuple[str, ...] = TRAINING) -> dict[str, tuple]:
     """Compiles the programs a training call of ``program`` runs, from the specs alone.
 
-    No data is needed or allocated. ``recompute``: those of ``residuals="recompute"``
-    (``forward``, ``backward_recompute``); ``fused``: ``value_and_grad`` alone (a scalar
-    loss); else ``forward_with_residuals`` and ``backward``.
+    No data is needed or allocated. ``programs``: their kinds (``Program.executable``), in
+    call order: ``("forward_with_residuals", "backward")`` holds the residuals,
+    ``("forward", "backward_recompute")`` the inputs alone, ``("value_and_grad",)`` (a
+    scalar loss) the gradients.
 
     Returns:
-        ``{name: (compiled, seconds)}`` in call order, seconds covering trace, lowering and
+        ``{kind: (compiled, seconds)}`` in call order, seconds covering trace, lowering and
         compilation.
     """
-    names = (("value_and_grad",) if fused else ("forward", "backward_recompute")
-             if recompute else ("forward_with_residuals", "backward"))
     out = {}
-    for name in names:
+    for kind in programs:
         start = time.perf_counter()
-        out[name] = (program.compiled(name), time.perf_counter() - start)
+        out[kind] = (program.compiled(kind), time.perf_counter() - start)
     return out
 
 
-def program_report(program: Program, *, param_bytes: int, held=(),
-                   recompute: bool = False, fused: bool = False) -> MemoryReport:
+def program_report(program: Program, *, param_bytes: int, held,
+                   programs: tuple[str, ...] = TRAINING) -> MemoryReport:
     """The ``MemoryReport`` of the programs a training call of ``program`` runs.
 
     Args:
         program: the compiled programs of one call signature.
         param_bytes: the parameters' bytes (what the caller counts as parameters).
-        held: ``LeafSpec``s of what the call holds besides ``program``'s residuals (the
-            torch side's saved RNG keys and state copies, for instance).
-        recompute: the ``residuals="recompute"`` programs, which hold no residuals.
-        fused: the ``value_and_grad`` program of a scalar loss, which holds the gradient
-            buffers (``held`` is ignored: nothing else is kept); its backward is a scaling
-            done by the caller, with no program and no scratch.
+        held: ``LeafSpec``s of everything the call holds for its backward besides its
+            parameters, arguments and outputs (the residual buffers, or a scalar loss's
+            gradient buffers, and what the caller keeps of its own: RNG keys, state copies).
+        programs: the kinds the call runs, in order (``compile_for_report``); the second,
+            if any, is the backward (a scalar loss's backward is a scaling done by the
+            caller, with no program and no scratch).
     """
-    compiled = compile_for_report(program, recompute=recompute, fused=fused)
-    if fused:
-        ((fwd, fwd_s),) = compiled.values()
-        bwd, bwd_s, held = None, 0.0, list(program.grad_specs)
-    else:
-        (fwd, fwd_s), (bwd, bwd_s) = compiled.values()
-        held = list(held) if recompute else [*program.residual_map().residual_specs, *held]
+    compiled = list(compile_for_report(program, programs).values())
+    (fwd, fwd_s), (bwd, bwd_s) = compiled[0], (compiled[1:] or [(None, 0.0)])[0]
+    held = list(held)
     fwd_mem = fwd.memory_analysis()
     bwd_temp = 0 if bwd is None else getattr(bwd.memory_analysis(), "temp_size_in_bytes", None)
     placed = {d for s in jtu.tree_leaves((fwd.input_shardings, fwd.output_shardings))

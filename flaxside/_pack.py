@@ -4,15 +4,32 @@ Every array that crosses to torch costs per tensor (a conversion each way, a ten
 tracks), which dominated calls with many small residuals or parameters. Inside a program,
 small arrays are concatenated per dtype and cross as one buffer; large ones (and those the
 caller marks) cross alone, without a copy. ``Program`` packs its residuals and its
-gradients this way; torch takes views of the gradient buffers (``torchside/_call.py``).
+gradients this way; the torch side views each gradient out of its buffer without a copy
+(``GradientViews`` in ``torchside/_build.py``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 PACK_BYTES = 64 * 1024  # arrays this small cross the boundary packed, one buffer per dtype
+
+
+class Alone(NamedTuple):
+    """An array that crosses as a buffer of its own (``buffer``: its index)."""
+
+    buffer: int
+
+
+class Packed(NamedTuple):
+    """An array that crosses as the elements ``offset:offset + size`` of a flat buffer."""
+
+    buffer: int
+    offset: int
+    shape: tuple[int, ...]
 
 
 def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
@@ -23,10 +40,10 @@ def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
         alone: per array, whether it must cross alone whatever its size.
 
     Returns:
-        ``(placement, buffers)``: per array ``("alone", b)`` or ``("packed", b, offset,
-        shape)`` into the buffers, and per buffer its ``(shape, dtype)``: the arrays that
-        cross alone first, then one flat buffer per dtype, in order of first use. With
-        fewer than two small arrays nothing is packed.
+        ``(placement, buffers)``: per array ``Alone`` or ``Packed`` into the buffers, and
+        per buffer its ``(shape, dtype)``: the arrays that cross alone first, then one flat
+        buffer per dtype, in order of first use. With fewer than two small arrays nothing
+        is packed.
     """
     shapes = [tuple(a.shape) for a in avals]
     dtypes = [np.dtype(a.dtype) for a in avals]
@@ -41,10 +58,10 @@ def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
     placement = []
     for k in range(len(avals)):
         if not small[k]:
-            placement.append(("alone", k - sum(small[:k])))
+            placement.append(Alone(k - sum(small[:k])))
             continue
         group = groups.setdefault(dtypes[k], [n_alone + len(groups), 0])
-        placement.append(("packed", group[0], group[1], shapes[k]))
+        placement.append(Packed(group[0], group[1], shapes[k]))
         group[1] += sizes[k]
     buffers += [((total,), dtype) for dtype, (_, total) in groups.items()]
     return tuple(placement), tuple(buffers)
@@ -55,10 +72,10 @@ def pack(arrays: list, placement) -> list:
     buffers: dict[int, object] = {}
     groups: dict[int, list] = {}
     for x, entry in zip(arrays, placement, strict=True):
-        if entry[0] == "alone":
-            buffers[entry[1]] = x
+        if type(entry) is Alone:
+            buffers[entry.buffer] = x
         else:  # offsets follow the order of the arrays (pack_plan)
-            groups.setdefault(entry[1], []).append(x.reshape(-1))
+            groups.setdefault(entry.buffer, []).append(x.reshape(-1))
     for b, parts in groups.items():
         buffers[b] = jnp.concatenate(parts)
     return [buffers[b] for b in range(len(buffers))]
@@ -68,10 +85,10 @@ def unpack(buffers: list, placement) -> list:
     """The arrays ``pack`` was given, sliced back out of its buffers."""
     out = []
     for entry in placement:
-        if entry[0] == "alone":
-            out.append(buffers[entry[1]])
+        if type(entry) is Alone:
+            out.append(buffers[entry.buffer])
         else:
-            _, i, offset, shape = entry
-            size = int(np.prod(shape, dtype=np.int64))
-            out.append(buffers[i][offset : offset + size].reshape(shape))
+            size = int(np.prod(entry.shape, dtype=np.int64))
+            out.append(buffers[entry.buffer][entry.offset : entry.offset + size]
+                       .reshape(entry.shape))
     return out

@@ -12,9 +12,10 @@ one flat list of array leaves (the owner's variables first, then the call's arra
   a cotangent of one, in the one program JAX's ``jit(value_and_grad)`` compiles; any
   other cotangent scales them.
 
-Every executable is lowered for one device (``device``; see ``_device.py``): its arguments
-are placed there and its results come back there, whatever JAX's default device is.
-``SpmdProgram`` (``_spmd.py``) lowers the same bodies over a mesh of processes.
+Every executable is lowered where the program's ``placement`` says (NOTE [Placement] in
+``_placement.py``): one device (``OnDevice``; its arguments are placed there and its
+results come back there, whatever JAX's default device is) or a mesh of processes
+(``OnMesh``). The traced bodies (``_bodies.py``) are the same for both.
 
 Small gradients leave the backward packed, one buffer per dtype (``grad_pack``), as small
 residuals leave the forward: a call then costs per buffer, not per parameter.
@@ -27,6 +28,7 @@ complex leaves (the conjugate of JAX's), since the caller hands them to torch.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 
@@ -37,13 +39,15 @@ import numpy as np
 from flaxside._bodies import Structure, TracedBodies
 from flaxside._conventions import internal_assert
 from flaxside._depends import input_masks, linear_in_cotangent
-from flaxside._device import aval, compiling_for
-from flaxside._specs import LeafSpec, Learned, ResidualMap, is_differentiable
+from flaxside._pack import Alone
+from flaxside._placement import OnDevice, local_spec, placed
+from flaxside._specs import Carrying, LeafSpec, Learned, ResidualMap, is_differentiable
 
 jtu = jax.tree_util
 
 PROGRAMS = ("forward", "forward_with_residuals", "backward", "backward_recompute",
             "value_and_grad")
+_FENCE = LeafSpec((1,), np.dtype(np.uint8))
 
 
 class Program(TracedBodies):
@@ -58,17 +62,20 @@ class Program(TracedBodies):
             ``aux`` a list of arrays that never carry gradients (updated Flax collections) and
             ``write_back`` a hashable Python value that every trace returns equal (which
             state the aux leaves replace).
-        specs: one ``LeafSpec`` per leaf; ``diff`` marks the leaves to differentiate.
+        specs: one ``LeafSpec`` per leaf, as the caller passes it (over a mesh: this
+            process's shard); ``diff`` marks the leaves to differentiate.
+        placement: where it runs: ``OnDevice(device)`` (the default, ``OnDevice(None)``,
+            leaves placement to JAX's default device, as a plain ``jax.jit`` would) or
+            ``OnMesh(...)`` (NOTE [Placement]).
         name: used in error messages.
         fence: every program takes one more array after its arguments and waits until it
             is ready (see ``bridge``'s ordering note); kept even though nothing reads it.
-        device: the JAX device every executable is lowered for (arguments are placed
-            there, results come back there); ``None`` leaves placement to JAX (its default
-            device), as a plain ``jax.jit`` would.
 
     Attributes:
-        out_specs: one ``LeafSpec`` per output then aux leaf; ``diff`` marks the outputs
-            that depend on a differentiated leaf (the only ones that take a cotangent).
+        specs: the leaves as the caller passes them.
+        out_specs: one ``LeafSpec`` per output then aux leaf, as the caller receives it;
+            ``diff`` marks the outputs that depend on a differentiated leaf (the only ones
+            that take a cotangent).
         n_out: how many of ``out_specs`` are outputs (the rest are aux).
         out_treedef: the structure of the outputs.
         write_back: the ``write_back`` value ``fn`` returned (``flaxside.internal.WriteBack``
@@ -76,8 +83,8 @@ class Program(TracedBodies):
         reads: per leaf, whether any result depends on it.
         out_reads: per result, a bitmask over leaves of those it depends on.
         grad_pack: where each gradient (``diff_index`` order) sits in what the backward
-            programs return (``pack_plan``): small gradients leave packed, one buffer per
-            dtype, and ``unpack`` (or views on the torch side) recovers them.
+            programs return (``Alone`` or ``Packed``): small gradients leave packed, one
+            buffer per dtype, and ``unpack`` (or views on the torch side) recovers them.
         grad_specs: the buffers the backward programs return.
         grad_reach: per differentiable output (``diff_out_index`` order), a bitmask over
             ``diff_index`` positions of the leaves it depends on.
@@ -88,16 +95,30 @@ class Program(TracedBodies):
         >>> out, *res = p.forward_with_residuals([np.ones(2, np.float32)] * 2)
     """
 
-    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, name: str = "program",
-                 fence: bool = False, device=None):
+    def __init__(self, fn: Callable, specs: Sequence[LeafSpec], *, placement=None,
+                 name: str = "program", fence: bool = False):
         self.fn = fn
-        self.specs = tuple(specs)
         self.name = name
         self.fence = fence
-        self.device = device
+        self.placement = placement = OnDevice() if placement is None else placement
+        self.specs = tuple(specs)
+        dims = placement.leaf_dims(len(self.specs))
+        # What the bodies trace (over a mesh, global shapes) and where each leaf lives.
+        self._traced_specs = tuple(placement.traced(s, d)
+                                   for s, d in zip(self.specs, dims, strict=True))
+        self._in_shardings = tuple(placement.sharding(len(s.shape), d)
+                                   for s, d in zip(self._traced_specs, dims, strict=True))
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
-        self.grad_pack, buffers = self._pack_plan([self.specs[i] for i in self.diff_index])
-        self.grad_specs = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
+        self.grad_pack, buffers = placement.pack_plan(
+            [self._traced_specs[i] for i in self.diff_index])
+        grad_traced = tuple(LeafSpec(shape, dtype) for shape, dtype in buffers)
+        # A buffer of its own has its leaf's sharding; a packed buffer is on the one device.
+        alone = {entry.buffer: self._in_shardings[i] for entry, i in
+                 zip(self.grad_pack, self.diff_index, strict=True) if type(entry) is Alone}
+        self._grad_shardings = tuple(alone[b] if b in alone else placement.sharding(1)
+                                     for b in range(len(grad_traced)))
+        self.grad_specs = tuple(local_spec(s, sh) for s, sh in
+                                zip(grad_traced, self._grad_shardings, strict=True))
         self.trace_count = 0
         self._lock = threading.RLock()  # compiling the backward asks for the residual map
 
@@ -105,21 +126,27 @@ class Program(TracedBodies):
             results, structure = self._results(leaves)
             return results, Learned(structure)
 
-        with compiling_for(device):  # code traced inside may compile for the device
+        with placement.compiling():  # code traced inside may compile for the device
             closed, (_, learned) = jax.make_jaxpr(abstract, return_shape=True)(
-                [s.aval for s in self.specs])
+                [s.aval for s in self._traced_specs])
         self._structure: Structure = learned.take()
         self.out_treedef = self._structure.out_treedef
         self.n_out = self._structure.n_out
         self.write_back = self._structure.write_back
         masks = input_masks(closed.jaxpr)
         diff_bits = sum(1 << i for i in self.diff_index)
-        self.out_specs = tuple(
+        self._traced_out = tuple(
             LeafSpec(tuple(o.shape), np.dtype(o.dtype),
                      k < self.n_out and bool(m & diff_bits) and is_differentiable(o.dtype))
             for k, (o, m) in enumerate(zip(closed.out_avals, masks, strict=True))
         )
+        out_dims = placement.result_dims(self._traced_out, self.n_out, self._traced_specs)
+        self._out_shardings = tuple(placement.sharding(len(s.shape), d)
+                                    for s, d in zip(self._traced_out, out_dims, strict=True))
+        self.out_specs = tuple(local_spec(s, sh) for s, sh in
+                               zip(self._traced_out, self._out_shardings, strict=True))
         self.diff_out_index = tuple(k for k, s in enumerate(self.out_specs) if s.diff)
+        self._sharded_diff_outputs = tuple(out_dims[k] is not None for k in self.diff_out_index)
         # One real scalar to differentiate (a loss) and a VJP linear in its cotangent:
         # value_and_grad applies, its gradients times a real cotangent being the VJP's.
         self.scalar_loss = len(self.diff_out_index) == 1 and (
@@ -136,66 +163,81 @@ class Program(TracedBodies):
             for k in self.diff_out_index
         )
         self._residual_map: ResidualMap | None = None
-        self._fwd_res_lowered = None
+        self._residual_avals: tuple = ()
         self._compiled: dict[str, jax.stages.Compiled] = {}
         self._executables: dict[str, Callable[..., list]] = {}
 
     # -- compilation -------------------------------------------------------------------
-    def _avals(self, specs) -> list:
-        """Abstract arguments placed on the program's device."""
-        return [aval(s.shape, s.dtype, self.device) for s in specs]
+    def _placed(self, specs, shardings) -> list:
+        return [placed(s, sh) for s, sh in zip(specs, shardings, strict=True)]
 
     def _fence_avals(self) -> tuple:
-        return (aval((1,), np.uint8, self.device),) if self.fence else ()
+        return (placed(_FENCE, self.placement.sharding(1)),) if self.fence else ()
 
     def _lower(self, body: Callable, *avals):
-        with compiling_for(self.device):
+        with self.placement.compiling():
             return jax.jit(body, keep_unused=self.fence).lower(*avals, *self._fence_avals())
 
-    def _compile(self, body: Callable, *avals):
-        lowered = self._lower(body, *avals)
-        with compiling_for(self.device):
+    def _compile(self, lowered) -> jax.stages.Compiled:
+        with self.placement.compiling():
             return lowered.compile()
 
     def residual_map(self) -> ResidualMap:
-        """The residual map; the first call traces and lowers ``forward_with_residuals``."""
+        """The residual map; the first call traces, lowers and compiles the forward with them.
+
+        Its ``residual_specs`` are what the caller receives (over a mesh, the shards of
+        the partitioner's choice, known once the forward is compiled).
+        """
         if self._residual_map is None:
             with self._lock:
                 if self._residual_map is None:
-                    lowered = self._lower(self._forward_res_body, self._avals(self.specs))
-                    self._fwd_res_lowered = lowered
-                    self._residual_map = lowered.out_info[1].take()
+                    in_avals = self._placed(self._traced_specs, self._in_shardings)
+                    lowered = self._lower(self._forward_res_body, in_avals)
+                    rmap = Carrying.learned_by(lowered).take()
+                    compiled = self._compile(lowered)
+                    traced = rmap.residual_specs
+                    shardings = self.placement.residual_shardings(
+                        compiled, len(self.out_specs), len(traced))
+                    self._residual_avals = tuple(self._placed(traced, shardings))
+                    self._compiled["forward_with_residuals"] = compiled
+                    self._residual_map = dataclasses.replace(rmap, residual_specs=tuple(
+                        local_spec(s, sh) for s, sh in zip(traced, shardings, strict=True)))
         return self._residual_map
 
-    def _backward_avals(self, rmap: ResidualMap) -> tuple:
-        return (
-            self._avals(self.specs[j] for j in rmap.saved_inputs),
-            self._avals(self.out_specs[k] for k in rmap.saved_outputs),
-            self._avals(rmap.residual_specs),
-            self._avals(self.out_specs[k] for k in self.diff_out_index),
-        )
+    def _arg_avals(self, kind: str) -> tuple:
+        """The abstract arguments of program ``kind`` (the fence aside)."""
+        leaves = self._placed(self._traced_specs, self._in_shardings)
+        cotangents = [placed(self._traced_out[k], self._out_shardings[k])
+                      for k in self.diff_out_index]
+        if kind in ("forward", "forward_with_residuals", "value_and_grad"):
+            return (leaves,)
+        if kind == "backward":
+            rmap = self.residual_map()
+            return ([leaves[j] for j in rmap.saved_inputs],
+                    [placed(self._traced_out[k], self._out_shardings[k])
+                     for k in rmap.saved_outputs],
+                    list(self._residual_avals), cotangents)
+        if kind == "backward_recompute":
+            return (leaves, cotangents)
+        raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
 
     def executable(self, kind: str) -> Callable[..., list]:
         """The executable of one program (``PROGRAMS``), compiled at its first request.
 
         The torch side keeps what this returns per signature and calls it directly, with
         the arguments of the method of the same name (and the fence, with ``fence=True``);
-        it returns the flat list of result arrays.
+        it returns the flat list of result arrays. On one device it is the compiled
+        program itself: a call runs no code of ours.
         """
         exe = self._executables.get(kind)
         if exe is None:
             with self._lock:
                 exe = self._executables.get(kind)
                 if exe is None:
-                    exe = self._executables[kind] = self._callable(kind, self.compiled(kind))
+                    compiled = self.compiled(kind)
+                    exe = self._executables[kind] = self.placement.executable(
+                        compiled, (self._arg_avals(kind), self._fence_avals()))
         return exe
-
-    def _callable(self, kind: str, compiled: jax.stages.Compiled) -> Callable[..., list]:
-        if kind == "forward_with_residuals":
-            # Its results are (arrays, Learned(residual map)), the map as the lowering
-            # learned it (``residual_map``); a call takes the arrays.
-            return lambda *args: compiled(*args)[0]
-        return compiled
 
     def compiled(self, kind: str) -> jax.stages.Compiled:
         """The XLA executable of one program (for ``memory_analysis``, HLO text)."""
@@ -207,29 +249,17 @@ class Program(TracedBodies):
                     exe = self._compiled[kind] = self._compile_program(kind)
         return exe
 
-    def _arg_avals(self, kind: str) -> tuple:
-        """The abstract arguments of program ``kind`` (the fence aside)."""
-        if kind in ("forward", "forward_with_residuals", "value_and_grad"):
-            return (self._avals(self.specs),)
-        if kind == "backward":
-            return self._backward_avals(self.residual_map())
-        if kind == "backward_recompute":
-            return (self._avals(self.specs),
-                    self._avals(self.out_specs[k] for k in self.diff_out_index))
-        raise ValueError(f"Program.executable: kind={kind!r} is not one of {PROGRAMS}.")
-
     def _compile_program(self, kind: str) -> jax.stages.Compiled:
         if kind == "forward_with_residuals":
-            self.residual_map()
-            with compiling_for(self.device):
-                return self._fwd_res_lowered.compile()
+            self.residual_map()  # compiles it
+            return self._compiled[kind]
         if kind == "value_and_grad":
             internal_assert(self.scalar_loss, f"value_and_grad of {self.name}, no scalar loss")
         avals = self._arg_avals(kind)
         bodies = {"forward": self._forward_body, "backward": self._backward_body,
                   "backward_recompute": self._backward_recompute_body,
                   "value_and_grad": self._value_and_grad_body}
-        return self._compile(bodies[kind], *avals)
+        return self._compile(self._lower(bodies[kind], *avals))
 
     # -- calls -------------------------------------------------------------------------
     def forward(self, leaves: Sequence, *fence) -> list[jax.Array]:

@@ -2,7 +2,8 @@
 
 ``LeafSpec`` is one array leaf of a call; ``ResidualMap`` is how the backward rebuilds the
 VJP the forward traced (see ``flaxside/README.md``); ``Learned`` carries what a trace learns
-out of it as part of its result.
+out of it as part of its result, and ``Carrying`` does so for an executable whose callers
+want its arrays alone.
 """
 
 from __future__ import annotations
@@ -67,6 +68,30 @@ class Learned:
         return f"Learned({self.value!r})"
 
 
+class Carrying:
+    """A traced body's arrays, carrying what the trace learned in the output's structure.
+
+    A pytree node whose children are the arrays and whose node data is the ``Learned``:
+    ``Lowered.out_tree.node_data()`` hands the value back at lowering, while rebuilding
+    the node gives a plain list of the arrays. So a compiled executable returns just the
+    list, and its callers need no per-call wrapper to drop what the trace learned.
+    """
+
+    __slots__ = ("arrays", "learned")
+
+    def __init__(self, arrays: list, learned: Learned):
+        self.arrays, self.learned = arrays, learned
+
+    @staticmethod
+    def learned_by(lowered) -> Learned:
+        """The ``Learned`` of a lowered body that returned a ``Carrying``."""
+        return lowered.out_tree.node_data()[1]
+
+
+jax.tree_util.register_pytree_node(
+    Carrying, lambda c: (tuple(c.arrays), c.learned), lambda _learned, arrays: list(arrays))
+
+
 def is_differentiable(dtype) -> bool:
     """Whether a dtype carries gradients (floating or complex)."""
     return jnp.issubdtype(dtype, jnp.inexact)
@@ -84,9 +109,10 @@ class ResidualMap:
         saved_outputs: indices of the results the backward is passed again.
         key_impls: per unpacked residual, the PRNG implementation of a typed key that
             crosses as raw key data, else ``None``.
-        pack: per unpacked residual, ``("alone", buffer)`` or ``("packed", buffer,
-            offset, shape)``: where it sits in what the forward returns.
-        residual_specs: the residual buffers as they leave the forward.
+        pack: per unpacked residual, ``Alone`` or ``Packed`` (``_pack.py``): where it sits
+            in what the forward returns.
+        residual_specs: the residual buffers as they leave the forward (the shards this
+            process receives, for a program over a mesh).
         offloaded: per residual buffer, whether an offloading policy put it in host
             memory (it reaches the backward as a plain array, like every other).
     """

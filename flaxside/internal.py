@@ -20,23 +20,27 @@ from flaxside._memory import compile_for_report as compile_for_report
 from flaxside._memory import program_report as program_report
 from flaxside._nnx import Graph as Graph
 from flaxside._pack import PACK_BYTES as PACK_BYTES
+from flaxside._pack import Alone as Alone
+from flaxside._pack import Packed as Packed
 from flaxside._pack import unpack as unpack
+from flaxside._placement import OnDevice as OnDevice
+from flaxside._placement import OnMesh as OnMesh
 from flaxside._program import Program as Program
 from flaxside._specs import LeafSpec as LeafSpec
 from flaxside._specs import ResidualMap as ResidualMap
 from flaxside._specs import is_differentiable as is_differentiable
-from flaxside._spmd import SpmdLayout as SpmdLayout
-from flaxside._spmd import SpmdProgram as SpmdProgram
 
 __all__ = [
     "ARRAY",
+    "Alone",
     "Graph",
     "LeafSpec",
+    "OnDevice",
+    "OnMesh",
     "PACK_BYTES",
+    "Packed",
     "Program",
     "ResidualMap",
-    "SpmdLayout",
-    "SpmdProgram",
     "WriteBack",
     "adapter_for",
     "batched_function",

@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxside.internal import PACK_BYTES, LeafSpec, Program, ResidualMap, unpack
+from flaxside.internal import (
+    PACK_BYTES,
+    Alone,
+    LeafSpec,
+    Packed,
+    Program,
+    ResidualMap,
+    unpack,
+)
 
 
 def _split(program, flat):
@@ -99,7 +107,7 @@ def test_results_never_alias_inputs_or_each_other():
     outs, res = _split(p, p.forward_with_residuals([x, x]))
     ct = [np.ones(n, np.float32)] * 3
     grads = p.backward([], [], res, ct)
-    assert p.grad_pack == (("alone", 0), ("alone", 1))
+    assert p.grad_pack == (Alone(0), Alone(1))
     gptrs = {g.unsafe_buffer_pointer() for g in grads}
     assert len(gptrs) == 2 and not gptrs & {c.ctypes.data for c in ct}
 
@@ -194,8 +202,8 @@ def test_small_gradients_leave_packed_one_buffer_per_dtype_large_ones_alone():
         return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) * (k + 1) for k, x in enumerate(ls))
 
     p = Program(_pure(f), [LeafSpec(a.shape, a.dtype, True) for a in leaves])
-    kinds = [e[0] for e in p.grad_pack]
-    assert kinds == ["packed", "packed", "alone", "packed", "packed", "packed"]
+    kinds = [type(e) for e in p.grad_pack]
+    assert kinds == [Packed, Packed, Alone, Packed, Packed, Packed]
     assert sorted((s.shape, str(s.dtype)) for s in p.grad_specs) == sorted(
         [((big,), "float32"), ((12 + 5 + 7,), "float32"), ((4 + 4,), "bfloat16")])
     ct = np.float32(r.standard_normal())

@@ -1,0 +1,229 @@
+"""Where a ``Program`` runs: one device, or a mesh of processes (NOTE [Placement]).
+
+NOTE [Placement]. A ``Program`` (``_program.py``) is given its placement as a value and
+asks it everything that depends on where the arrays live; the traced bodies are the same
+for both. Every array that crosses a program's boundary (an argument, a result, a
+residual, a gradient) is described by its *traced* spec (the shape the bodies see) and
+its sharding; what the caller passes or receives is the *local* spec, the shard this
+process holds (``local_spec``):
+
+* ``OnDevice(device)``: everything on one device (``None``: JAX's default placement).
+  Local and traced specs are the same; small arrays cross packed, one buffer per dtype
+  (``_pack.py``); an executable is the compiled program itself.
+* ``OnMesh(mesh, axis, dims, batch)``: an SPMD program over a one-axis mesh of processes,
+  one device each (NOTE [SPMD programs] below). Traced specs are global; each process
+  passes its local shards and receives its own.
+
+NOTE [SPMD programs]. A block sharded over processes runs as one SPMD program: parameters
+are sharded over the mesh axis, the batch too, and XLA's partitioner inserts the
+collectives, inside a scan one layer's gather per iteration.
+
+* an executable takes the local arrays, makes each the process's shard of a global array
+  (``jax.make_array_from_single_device_arrays``, no copy), runs, and returns each result's
+  local shard (``addressable_data(0)``);
+* results whose leading dimension is the global batch are sharded over the axis on it,
+  every other result (a loss, state updates) is replicated; gradients have their leaf's
+  sharding; residuals take the sharding the partitioner chose, read from the compiled
+  forward (``residual_shardings``);
+* gradients of what is not sharded over the batch (parameters, state) follow FSDP's mean:
+  the contributions of batch-sharded outputs, whose cotangents are each process's own
+  loss, are divided by the number of processes, as FSDP2 and DDP average the ranks'
+  gradients; replicated outputs (a loss computed inside) are one loss, already global,
+  and are not divided. Gradients of batch-sharded inputs are each process's own;
+* small arrays are not packed into shared buffers: a buffer that concatenates arrays of
+  different shardings would reshard them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from flaxside._device import compiling_for
+from flaxside._pack import pack_plan
+from flaxside._specs import LeafSpec
+
+jtu = jax.tree_util
+
+
+def local_spec(traced: LeafSpec, sharding) -> LeafSpec:
+    """What one process holds of an array of spec ``traced`` placed by ``sharding``."""
+    if sharding is None:
+        return traced
+    return dataclasses.replace(traced, shape=tuple(sharding.shard_shape(traced.shape)))
+
+
+def placed(traced: LeafSpec, sharding) -> jax.ShapeDtypeStruct:
+    """The abstract value a program is lowered with (unplaced where ``sharding`` is None)."""
+    return jax.ShapeDtypeStruct(traced.shape, traced.dtype, sharding=sharding)
+
+
+class OnDevice:
+    """One device: every argument placed there, every result coming back there.
+
+    Args:
+        device: the JAX device; ``None`` leaves placement to JAX (its default device), as a
+            plain ``jax.jit`` would.
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, device=None):
+        self.device = device
+
+    def __repr__(self):
+        return f"OnDevice({self.device})"
+
+    def compiling(self):
+        """Traces and lowerings inside it are for this device (``_device.py``)."""
+        return compiling_for(self.device)
+
+    def leaf_dims(self, n: int) -> tuple:
+        """Per leaf, the dimension sharded over the mesh: none here."""
+        return (None,) * n
+
+    def traced(self, local: LeafSpec, dim) -> LeafSpec:
+        """The spec the bodies trace for an argument of spec ``local``: the same."""
+        return local
+
+    def sharding(self, ndim: int, dim=None):
+        """Where an array lives: the device (``None``: JAX decides)."""
+        return None if self.device is None else SingleDeviceSharding(self.device)
+
+    def result_dims(self, traced_out, n_out: int, traced_specs) -> tuple:
+        """Per result, the dimension sharded over the mesh: none here."""
+        return (None,) * len(traced_out)
+
+    def pack_plan(self, avals, alone=None):
+        """Small arrays cross packed, one buffer per dtype (``_pack.py``)."""
+        return pack_plan(avals, alone)
+
+    def constrain(self, x, sharding):
+        """``x`` as a traced result leaves the program: as it is."""
+        return x
+
+    def pull(self, pull: Callable, cotangents, sharded_outputs, index) -> list:
+        """The gradients for ``cotangents`` (``pull``: the VJP in torch's convention)."""
+        return pull(cotangents)
+
+    def residual_shardings(self, compiled, n_results: int, count: int) -> list:
+        """Where the forward's residuals live: the device."""
+        return [self.sharding(0)] * count
+
+    def executable(self, compiled, in_avals) -> Callable[..., list]:
+        """What the torch side calls: the compiled program itself, no wrapper."""
+        return compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class OnMesh:
+    """A one-axis mesh of processes, one device each (NOTE [SPMD programs]).
+
+    Attributes:
+        mesh: the JAX mesh, one device per process, in process order.
+        axis: its axis name.
+        dims: per leaf, the dimension sharded over ``axis`` (``None``: replicated, every
+            process passes the whole value).
+        batch: per leaf, whether it is a batch-sharded argument (its gradient is the
+            process's own; every other leaf's gradient follows FSDP's mean).
+    """
+
+    mesh: jax.sharding.Mesh
+    axis: str
+    dims: tuple[int | None, ...]
+    batch: tuple[bool, ...]
+
+    @property
+    def size(self) -> int:
+        """How many processes share the axis."""
+        return self.mesh.shape[self.axis]
+
+    def compiling(self):
+        """Lowerings take their placement from the avals' shardings."""
+        return contextlib.nullcontext()
+
+    def leaf_dims(self, n: int) -> tuple:
+        """Per leaf, the dimension sharded over the axis."""
+        return self.dims
+
+    def traced(self, local: LeafSpec, dim) -> LeafSpec:
+        """The global spec of a local argument sharded on ``dim``."""
+        if dim is None:
+            return local
+        shape = list(local.shape)
+        shape[dim] *= self.size
+        return dataclasses.replace(local, shape=tuple(shape))
+
+    def sharding(self, ndim: int, dim=None) -> NamedSharding:
+        """The sharding of an array of ``ndim`` dimensions sharded on ``dim`` (or replicated)."""
+        spec = [None] * ndim
+        if dim is not None:
+            spec[dim] = self.axis
+        return NamedSharding(self.mesh, P(*spec))
+
+    def result_dims(self, traced_out, n_out: int, traced_specs) -> tuple:
+        """Outputs whose leading dimension is the global batch are sharded on it."""
+        batch = [s.shape[0] for s, d, b in zip(traced_specs, self.dims, self.batch, strict=True)
+                 if b and d == 0]
+        size = batch[0] if batch else None
+        return tuple(0 if k < n_out and size is not None and s.shape and s.shape[0] == size
+                     else None for k, s in enumerate(traced_out))
+
+    def pack_plan(self, avals, alone=None):
+        """Every array alone, one buffer each (NOTE [SPMD programs])."""
+        return tuple(("alone", k) for k in range(len(avals))), tuple(
+            (tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+
+    def constrain(self, x, sharding):
+        """``x`` as a traced result leaves the program: with its sharding."""
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def pull(self, pull: Callable, cotangents, sharded_outputs, index) -> list:
+        """The gradients for ``cotangents``, with FSDP's mean for leaves not in the batch.
+
+        ``pull``: the VJP in torch's convention; ``sharded_outputs``: per cotangent,
+        whether its output is batch-sharded; ``index``: per gradient, its leaf.
+        """
+        n = self.size
+        batch_leaves = [self.batch[i] for i in index]
+        if not any(sharded_outputs):  # replicated outputs only: one global loss
+            return pull(cotangents)
+        if all(sharded_outputs):
+            return [g if b else g / n
+                    for g, b in zip(pull(cotangents), batch_leaves, strict=True)]
+        # Both: the batch-sharded part is averaged, the replicated part is not.
+        zero = [jnp.zeros_like(c) for c in cotangents]
+        part_s = pull([c if s else z for c, z, s in
+                       zip(cotangents, zero, sharded_outputs, strict=True)])
+        part_r = pull([z if s else c for c, z, s in
+                       zip(cotangents, zero, sharded_outputs, strict=True)])
+        return [gs + gr if b else gs / n + gr
+                for gs, gr, b in zip(part_s, part_r, batch_leaves, strict=True)]
+
+    def residual_shardings(self, compiled, n_results: int, count: int) -> list:
+        """The partitioner's shardings of the residuals, read from the compiled forward."""
+        return jtu.tree_leaves(compiled.output_shardings)[n_results : n_results + count]
+
+    def executable(self, compiled, in_avals) -> Callable[..., list]:
+        """Local arrays in, local shards out: each is this process's part of a global one."""
+        in_avals = jtu.tree_leaves(in_avals)
+        device = self.mesh.local_devices[0]
+
+        def shard(aval, x):
+            if not isinstance(x, jax.Array):  # an empty tensor's placeholder
+                x = jax.device_put(x, device)
+            return jax.make_array_from_single_device_arrays(aval.shape, aval.sharding, [x])
+
+        def run(*args):
+            flat, tree = jtu.tree_flatten(args)
+            arrays = [shard(a, x) for a, x in zip(in_avals, flat, strict=True)]
+            return [o.addressable_data(0) for o in compiled(*jtu.tree_unflatten(tree, arrays))]
+
+        return run

@@ -1,0 +1,359 @@
+"""The call as values: what a call is, and what its signature fixes.
+
+Every step of NOTE [Call path] (``_call.py``) passes these values on instead of working
+them out again: ``Call`` (a call, resolved), ``Signature`` (what its compiled programs
+depend on), and per signature its ``Layout`` (the order of the leaves), ``Route``s (what
+each edge runs) and ``Holds`` (what each route keeps for the backward). Nothing here runs
+on a call's path but their construction; the methods serve the cold paths (building an
+entry, ``torch.compile``'s ops, derivatives of the backward, ``memory_report``).
+
+NOTE [Leaves]. Every program of a call takes one flat list of leaves: the owner's
+variables, then the RNG slot (raw key data drawn from torch's generator, where the owner
+has RNG streams), then the call's tensor arguments. ``Layout`` is that order.
+
+NOTE [Routes]. What a call runs is a ``Route``, fixed per entry and edge (the place a call
+enters the pipeline, ``EDGE_KINDS``): ``"eager"`` (``BridgeFunction``), ``"compiled"``
+(``torch.compile``'s ops; ``"fake"`` while Dynamo traces them with fake tensors),
+``"transformed"`` (under ``torch.func``), ``"report"`` (``memory_report``, which compiles
+without running). Its ``programs`` is one of ``ROUTES``:
+
+* ``"plain"``: no backward (no gradient wanted, or a transform that differentiates by
+  calls of its own): ``forward`` only;
+* ``"residuals"``: ``forward_with_residuals``, then ``backward`` from what it saved;
+* ``"recompute"``: ``forward``, saving the inputs; ``backward_recompute`` reruns it;
+* ``"fused"``: a scalar loss, eagerly: ``value_and_grad``, whose gradients the backward
+  scales (NOTE [Scalar loss] in ``_entry.py``). Compiled calls of such an entry take
+  ``"residuals"``.
+
+NOTE [What a call holds]. ``Holds`` says, per route, what a call keeps for its backward:
+what torch saves (``ctx.save_for_backward``, so that saved-tensor hooks and version
+counters see it: leaves, results, then program buffers, residuals or gradients), and what
+a derivative of the backward reads besides (NOTE [Higher order] in ``_higher.py``), kept
+by reference. ``save``, the backward and ``memory_report`` all read the same value.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import torch
+
+jtu = jax.tree_util
+
+AUTOCAST_MODES = ("outputs", "inputs", "off")
+
+
+# -- what an owner fixes, and what a call is --------------------------------------------------
+class Edges(NamedTuple):
+    """The edges above the first-order pipeline, handed to every ``Caller`` by its owner.
+
+    The first-order files never import them: they call up through this value
+    (``torchside._edges.EDGES``).
+
+    Attributes:
+        compiled: ``compiled(caller, call, write_back) -> outputs``: a call Dynamo traces
+            (``_compile.py``).
+        transformed: ``transformed(caller, call, write_back) -> (entry, results)``: a call
+            under a ``torch.func`` transform or forward-mode AD (``_higher.py``).
+        differentiate: ``differentiate(ctx, entry, route, saved, cots) -> per-leaf
+            gradients``: a backward torch differentiates again (``_higher.py``).
+    """
+
+    compiled: Callable
+    transformed: Callable
+    differentiate: Callable
+
+
+class Settings(NamedTuple):
+    """What an owner fixes once, at construction.
+
+    Attributes:
+        where: the owner's name for messages (``FlaxModule(Block)``).
+        state_treedef: treedef of ``(variables, raw rng keys or None)``; its leaves are the
+            variable tensors, then the rng leaf.
+        var_names: a name per variable leaf (``params.Dense_0.kernel``).
+        make_apply: ``make_apply(mode) -> apply``; ``apply(state, *args, **kwargs)``
+            returns ``(outputs, updates, flaxside.internal.WriteBack)``.
+        rng_shape: shape of the int32 raw key data drawn per call from torch's generator,
+            or ``None`` without RNG streams.
+        order: 1 for an owner's calls; k + 1 for the backward of an order-k call (a call
+            derived from it: NOTE [Higher order]).
+    """
+
+    where: str
+    state_treedef: Any
+    var_names: tuple[str, ...]
+    make_apply: Callable
+    rng_shape: tuple[int, ...] | None = None
+    order: int = 1
+
+    def split_leaves(self, leaves) -> tuple[list, list]:
+        """``(variables, arguments)`` of an owner's leaves without an RNG slot.
+
+        A ``torch.compile`` op's leaves, before the entry (and its ``Layout``) is known.
+        """
+        n = len(self.var_names)
+        return list(leaves[:n]), list(leaves[n:])
+
+
+class TensorMeta(NamedTuple):
+    """A tensor's metadata, standing in for it where only that is known (a fake tensor's)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Call(NamedTuple):
+    """One call, resolved (NOTE [Resolve] in ``_call.py``).
+
+    Attributes:
+        variables: the tensors the programs read for the owner's variables, in the owner's
+            order (autocast copies of the parameters with ``autocast="inputs"``).
+        tensors: the tensor leaves of the arguments, autocast's casts applied.
+        arg_treedef: the structure of ``(args, kwargs)``; ``None`` under ``torch.compile``,
+            whose calls take positional tensors only (``tensors`` is then ``args``).
+        statics: per argument leaf, ``ARRAY`` or the key of a static value (``static_key``);
+            ``None`` under ``torch.compile``.
+        values: every argument leaf as given (only the static ones are read: they are
+            baked into the programs); ``None`` under ``torch.compile``.
+        mode: the owner's mode (train/eval; for NNX with the module graph).
+        device: the device the call runs on (``lead_device`` in ``_call.py``).
+        out_dtype: the dtype floating outputs are cast to after the call
+            (``autocast="outputs"`` under ``torch.autocast``), or ``None``.
+    """
+
+    variables: list
+    tensors: list
+    arg_treedef: Any
+    statics: tuple | None
+    values: list | None
+    mode: Hashable
+    device: torch.device
+    out_dtype: torch.dtype | None
+
+
+class TensorKey(NamedTuple):
+    """One tensor as a signature sees it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    needs_grad: bool
+
+
+class Signature(NamedTuple):
+    """Everything an entry depends on; calls with equal signatures share one.
+
+    Attributes:
+        arg_treedef: the structure of the call's ``(args, kwargs)``.
+        statics: per argument leaf, ``ARRAY`` or the key of a static value.
+        tensors: per tensor argument, its ``TensorKey``.
+        variables: per variable, its ``TensorKey``.
+        mode: the owner's mode (train/eval, the NNX graph).
+        x64: whether JAX runs with 64-bit types.
+        exchange: how tensors cross (``bridge.internal.exchange_for``: device and route).
+    """
+
+    arg_treedef: Any
+    statics: tuple
+    tensors: tuple[TensorKey, ...]
+    variables: tuple[TensorKey, ...]
+    mode: Hashable
+    x64: bool
+    exchange: Any
+
+
+def arg_names(treedef) -> list[str]:
+    """Readable names (``args[0]``, ``kwargs['mask']``) for each leaf of ``(args, kwargs)``."""
+    tree = jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    names = []
+    for path, _ in jtu.tree_flatten_with_path(tree)[0]:
+        head, rest = path[0].idx, path[1:]
+        names.append(("args" if head == 0 else "kwargs") + jtu.keystr(rest))
+    return names
+
+
+@ft.cache
+def positional(n: int):
+    """The structure of ``(args, {})`` for ``n`` positional arguments (compiled calls)."""
+    return jtu.tree_structure((tuple(range(n)), {}))
+
+
+# -- what a signature fixes ---------------------------------------------------------------------
+ROUTES = ("plain", "residuals", "recompute", "fused")
+EDGE_KINDS = ("eager", "compiled", "fake", "transformed", "report")
+_PROGRAMS = {"plain": ("forward", None), "residuals": ("forward_with_residuals", "backward"),
+             "recompute": ("forward", "backward_recompute"), "fused": ("value_and_grad", None)}
+
+
+class Layout(NamedTuple):
+    """The order of a call's leaves (NOTE [Leaves]).
+
+    Attributes:
+        names: one per leaf: the variables' Flax paths, ``rngs``, then the arguments'
+            (``args[0]``, ``kwargs['mask']``).
+        variables: the variables' slice.
+        rng: the RNG slot's index, or ``None`` where the owner has no RNG streams.
+        arguments: the tensor arguments' slice.
+        narrow: indices of int64 arguments that cross as int32 (each value checked).
+    """
+
+    names: tuple[str, ...]
+    variables: slice
+    rng: int | None
+    arguments: slice
+    narrow: frozenset
+
+    @classmethod
+    def of(cls, var_names, rng_name: str | None, arg_names, narrowed=()) -> Layout:
+        """The layout of variables, an RNG slot named ``rng_name`` (or none), arguments.
+
+        ``narrowed``: positions among the arguments of those that cross as int32.
+        """
+        n_variables = len(var_names)
+        rng = None if rng_name is None else n_variables
+        start = n_variables + (rng_name is not None)
+        names = (*var_names, *(() if rng_name is None else (rng_name,)), *arg_names)
+        return cls(names, slice(0, n_variables), rng, slice(start, len(names)),
+                   frozenset(start + k for k in narrowed))
+
+    @property
+    def state(self) -> slice:
+        """The variables and the RNG slot: the leaves an owner supplies."""
+        return slice(0, self.arguments.start)
+
+    def of_leaves(self, variables, rng, arguments) -> list:
+        """Per-leaf items in this order (``rng`` is dropped where there is no slot)."""
+        return [*variables, rng, *arguments] if self.rng is not None else [
+            *variables, *arguments]
+
+    def without_rng(self, per_leaf) -> list:
+        """``per_leaf`` without the RNG slot's item (the leaves of a compiled op)."""
+        per_leaf = list(per_leaf)
+        if self.rng is not None:
+            del per_leaf[self.rng]
+        return per_leaf
+
+
+
+class Route(NamedTuple):
+    """How a call runs (NOTE [Routes]); one per entry and edge, made when it is built.
+
+    Attributes:
+        programs: one of ``ROUTES``.
+        edge: one of ``EDGE_KINDS``.
+        forward: the kind of the forward program (``flaxside``'s ``PROGRAMS``).
+        backward: the kind of the backward program, or ``None`` (no backward, or the fused
+            route's, which scales what the forward saved).
+        placement: ``"device"`` or ``"mesh"`` (NOTE [Sharded blocks] in ``_shard.py``).
+        order: 1 for a call of an owner; k + 1 for the backward of an order-k call
+            differentiated again (NOTE [Higher order]).
+    """
+
+    programs: str
+    edge: str
+    forward: str
+    backward: str | None
+    placement: str
+    order: int
+
+    @classmethod
+    def of(cls, programs: str, edge: str, placement: str, order: int) -> Route:
+        """The route that runs ``programs`` (``ROUTES``) from ``edge``."""
+        forward, backward = _PROGRAMS[programs]
+        return cls(programs, edge, forward, backward, placement, order)
+
+
+class Holds(NamedTuple):
+    """What a call of one route keeps for its backward (NOTE [What a call holds]).
+
+    Attributes:
+        inputs: the leaves torch saves.
+        clones: those of ``inputs`` saved as clones: state the owner overwrites after the
+            forward, which a recompute must see as it was.
+        outputs: the results torch saves after them.
+        buffers: the program buffers torch saves last: residuals or gradients.
+        offloaded: per buffer, whether a remat policy put it in host memory.
+        kept: leaves kept by reference for a derivative of the backward (not saved:
+            saved-tensor hooks never see them).
+        state: leaves a derivative of the backward reads as they are then (state the
+            owner overwrites).
+        bounds: where ``inputs`` end and ``outputs`` end in what torch saved.
+    """
+
+    inputs: tuple[int, ...] = ()
+    clones: frozenset = frozenset()
+    outputs: tuple[int, ...] = ()
+    buffers: tuple = ()
+    offloaded: tuple[bool, ...] = ()
+    kept: tuple[int, ...] = ()
+    state: tuple[int, ...] = ()
+    bounds: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def of(cls, programs: str, program, layout: Layout) -> Holds:
+        """What a call running ``programs`` (``ROUTES``) of ``program`` holds."""
+        n = len(layout.names)
+        targets = tuple(program.write_back.targets)
+        if programs == "plain":
+            return cls()
+        if programs == "recompute":  # every leaf, overwritten state as it was
+            return cls(inputs=tuple(range(n)), clones=frozenset(targets), bounds=(n, n))
+        if programs == "fused":  # the gradient buffers (NOTE [Scalar loss])
+            specs = program.grad_specs
+            return cls(buffers=specs, offloaded=(False,) * len(specs),
+                       kept=tuple(i for i in range(n) if i not in targets), state=targets)
+        rmap = program.residual_map()
+        skip = set(targets) | set(rmap.saved_inputs)
+        return cls(inputs=rmap.saved_inputs, outputs=rmap.saved_outputs,
+                   buffers=rmap.residual_specs, offloaded=rmap.offloaded,
+                   kept=tuple(i for i in range(n) if i not in skip), state=targets,
+                   bounds=(len(rmap.saved_inputs),
+                           len(rmap.saved_inputs) + len(rmap.saved_outputs)))
+
+    def held_specs(self, program, layout: Layout) -> list:
+        """What a call holds beyond parameters, arguments and outputs, as ``LeafSpec``s.
+
+        The buffers, clones of state, a drawn RNG key, and saved state updates.
+        """
+        rng = [] if layout.rng is None or layout.rng not in self.inputs else [layout.rng]
+        return [*self.buffers, *(program.specs[i] for i in sorted(self.clones)),
+                *(program.specs[i] for i in rng if i not in self.clones),
+                *(program.out_specs[k] for k in self.outputs if k >= program.n_out)]
+
+    def every_leaf(self, layout: Layout, saved, kept, state: dict) -> list:
+        """Every leaf, from what torch saved, what was kept, and the state now."""
+        leaves = [None] * len(layout.names)
+        for j, t in zip(self.inputs, saved, strict=False):
+            leaves[j] = t
+        for i, t in zip(self.kept, kept, strict=True):
+            leaves[i] = t
+        for i, t in state.items():
+            leaves[i] = t
+        return leaves
+
+
+class ViewGroup(NamedTuple):
+    """Gradients viewed out of one packed buffer: their positions and shapes."""
+
+    buffer: int
+    positions: tuple[int, ...]
+    templates: tuple[torch.Tensor, ...]  # meta tensors, for the views' sizes
+
+
+class GradientViews(NamedTuple):
+    """How each gradient is viewed out of the backward's packed buffers.
+
+    Attributes:
+        alone: ``(position, buffer)`` of the gradients that are a buffer of their own.
+        groups: the packed buffers' ``ViewGroup``s.
+        count: how many gradients there are.
+    """
+
+    alone: tuple[tuple[int, int], ...]
+    groups: tuple[ViewGroup, ...]
+    count: int
