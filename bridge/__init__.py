@@ -16,10 +16,10 @@ from bridge._devices import jax_device as jax_device
 from bridge._devices import torch_device as torch_device
 from bridge._dtypes import numpy_dtype as numpy_dtype
 from bridge._dtypes import torch_dtype as torch_dtype
-from bridge._exchange import EXCHANGE_MODES as EXCHANGE_MODES
-from bridge._exchange import exchange_mode as exchange_mode
 from bridge._exchange import is_zero_copy as is_zero_copy
-from bridge._exchange import set_exchange_mode as set_exchange_mode
+from bridge._rules import EXCHANGE_MODES as EXCHANGE_MODES
+from bridge._rules import exchange_mode as exchange_mode
+from bridge._rules import set_exchange_mode as set_exchange_mode
 
 __all__ = [
     "EXCHANGE_MODES",

@@ -10,7 +10,8 @@ import jax
 import torch
 
 from bridge import _devices, _dtypes
-from bridge._exchange import ALIGNMENT, check_memory, cpu_tensor, cpu_view, is_zero_copy
+from bridge._exchange import cpu_tensor, cpu_view, is_zero_copy
+from bridge._rules import ALIGNMENT, check_memory
 
 
 def _named(function: str, check, *args, **kwargs):

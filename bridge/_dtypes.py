@@ -92,13 +92,12 @@ def narrows_to_int32(dtype: torch.dtype) -> bool:
     return dtype is torch.int64 and not jax.config.jax_enable_x64
 
 
-def narrow_to_int32(tensor: torch.Tensor, *, name: str = "tensor",
-                    check: bool = True) -> torch.Tensor:
+def narrow_to_int32(tensor: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
     """An int64 tensor as int32, after checking that every value fits (a copy).
 
     The check is one pass over the values (``aminmax``) and reads two numbers back to the
-    host: on CUDA it waits for the work that produces ``tensor``. ``check=False`` skips
-    it, for values already checked (the same tensor, saved for the backward).
+    host: on CUDA it waits for the work that produces ``tensor``. Values checked before
+    (the same tensor, saved for the backward) need only ``tensor.to(torch.int32)``.
     ``narrow_array`` does the same to a CPU tensor's values in numpy, without torch's
     per-op dispatch (the CPU exchange's route).
 
@@ -109,20 +108,20 @@ def narrow_to_int32(tensor: torch.Tensor, *, name: str = "tensor",
         >>> narrow_to_int32(torch.tensor([1, 50256])).dtype
         torch.int32
     """
-    if check and tensor.numel():
+    if tensor.numel():
         lo, hi = (int(v) for v in torch.aminmax(tensor))
         _check_fits(name, lo, hi)
     return tensor.to(torch.int32)
 
 
-def narrow_array(values: np.ndarray, *, name: str = "tensor", check: bool = True) -> np.ndarray:
+def narrow_array(values: np.ndarray, *, name: str = "tensor") -> np.ndarray:
     """``narrow_to_int32`` for an int64 numpy array (a view of a CPU tensor): int32, a copy.
 
     Example:
         >>> narrow_array(np.array([1, 50256])).dtype
         dtype('int32')
     """
-    if check and values.size:
+    if values.size:
         _check_fits(name, int(values.min()), int(values.max()))
     return values.astype(np.int32)
 

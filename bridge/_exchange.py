@@ -5,79 +5,47 @@ NOTE [Exchange]. Every route is zero-copy where JAX can use the memory in place.
 * CPU (default): a numpy array over the tensor's memory, built from its data pointer
   through the array interface. ``tensor.numpy()`` is never used: it marks the storage
   non-resizable for good, and FSDP2's ``storage.resize_(0)`` then fails. Results come back
-  as torch tensors over the JAX buffers, after waiting for them.
+  as torch tensors over the JAX buffers.
 * DLPack (CUDA, or any device with ``FLAXTORCH_EXCHANGE=dlpack``): ``__dlpack__`` both
   ways. The forced mode sends CPU tensors through this code so that CI runs it.
 
-Held arrays (``HeldArrays`` in ``_held.py``): an owner's parameters and buffers keep their
-memory from call to call (optimizers and ``load_state_dict`` write in place), so each gets
-one JAX array over that memory, reused while the tensor's address, device, dtype, shape, strides
-and flags are unchanged, and replaced (releasing the old one) at the first call that sees
-otherwise. Old bits are never read as a new dtype or shape, nor one device's memory as
-another's.
+Held arrays (``HeldArrays``): parameters and buffers keep their memory from call to call
+(optimizers and ``load_state_dict`` write in place), so each gets one JAX array over it,
+reused while the tensor's address, device, dtype, shape, strides and flags are unchanged
+and replaced at the first call that sees otherwise: old bits are never read as a new dtype
+or shape, nor one device's memory as another's.
 
 Ordering. Every program runs through its exchange's ``run``, the one place that orders
 JAX's work after torch's and torch's after JAX's:
 
-* CPU: a jitted call returns before it has run, so ``run`` waits for the results before
-  torch may read them; results depend on the inputs they read, so no input can be
-  overwritten by torch while JAX still reads it. With ``wait=False`` the caller waits
-  (``wait``) after bookkeeping that reads no result: ``BridgeFunction`` saves for
-  backward and views packed gradients while JAX computes, and waits before it returns.
-* DLPack: a held array was imported once, long before torch's latest write to it (an
-  optimizer step), so importing it ordered nothing this call. Before each program ``run``
-  imports one tiny fence tensor (torch's current stream -> an event -> JAX's stream: JAX's
-  ``from_dlpack`` passes its stream to torch's ``__dlpack__``), and the program takes it
-  as an argument it waits for (``keep_unused``): one fence per run, after every write
-  torch has queued, before JAX reads anything. Results are exported to torch's current
-  stream (``torch.from_dlpack`` passes it to JAX's ``__dlpack__``), so torch's next work,
-  a write to an output included, waits for JAX's. ``record_ordering`` records these
-  steps from inside the exports that make them (``_ordering.py``), so that tests check
-  them on a CPU. Exit
-  waits for JAX to let go of every import (NOTE [Imports at exit], ``bridge/_imports.py``).
+* CPU: a jitted call returns before it has run, and so does ``run``: its caller waits
+  (``wait``) before torch may read a result, after bookkeeping that reads none
+  (``BridgeFunction`` saves for backward and views packed gradients meanwhile). Results
+  depend on the inputs they read, so no input is overwritten while JAX still reads it.
+* DLPack: a held array was imported long before torch's latest write to it (an optimizer
+  step), so each ``run`` imports one tiny fence tensor (torch's current stream -> an event
+  -> JAX's stream) that the program waits for (``keep_unused``): after every write torch
+  has queued, before JAX reads anything. Results are exported to torch's current stream,
+  so torch's next work, a write to an output included, waits for JAX's. Every fence and
+  result crosses as an ``Observed`` export on every call, which records its step from
+  inside its ``__dlpack__`` while a ``record_ordering`` log is open: tests check on a CPU
+  the very path every call takes. Exit waits for JAX to let go of every import (NOTE
+  [Imports at exit] in ``_dlpack.py``).
 """
 
 from __future__ import annotations
 
 import functools as ft
-import os
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import torch
 
-from bridge import _devices, _dtypes
-from bridge._imports import imported
-from bridge._ordering import Observed, record, recorders
-
-ALIGNMENT = 64  # bytes; XLA's CPU client copies host buffers aligned less than this.
-
-EXCHANGE_MODES = ("auto", "dlpack")
-_exchange_mode = os.environ.get("FLAXTORCH_EXCHANGE", "auto")
-if _exchange_mode not in EXCHANGE_MODES:
-    raise ValueError(
-        f"flaxtorch: FLAXTORCH_EXCHANGE={_exchange_mode!r} is not one of {EXCHANGE_MODES}: "
-        f"'auto' uses pointer views on CPU and DLPack on CUDA, 'dlpack' uses DLPack everywhere."
-    )
-
-
-def exchange_mode() -> str:
-    """``"auto"`` (pointer views on CPU, DLPack on CUDA) or ``"dlpack"`` (DLPack everywhere)."""
-    return _exchange_mode
-
-
-def set_exchange_mode(mode: str) -> str:
-    """Sets the exchange mode for calls compiled from now on; returns the previous one.
-
-    ``"dlpack"`` sends CPU tensors through the code path CUDA uses (DLPack imports and
-    exports, one fence per call), so that it runs without a GPU. Also settable with the
-    environment variable ``FLAXTORCH_EXCHANGE``.
-    """
-    global _exchange_mode
-    if mode not in EXCHANGE_MODES:
-        raise ValueError(f"set_exchange_mode: mode={mode!r} is not one of {EXCHANGE_MODES}.")
-    previous, _exchange_mode = _exchange_mode, mode
-    return previous
+from bridge import _devices, _dtypes, _rules
+from bridge._dlpack import Observed, imported, record
+from bridge._ordering import recorders
+from bridge._rules import ALIGNMENT, check_memory, elsewhere, no_memory
 
 
 class _Memory:
@@ -108,7 +76,12 @@ def in_place(tensor: torch.Tensor) -> bool:
 
 
 def is_zero_copy(tensor: torch.Tensor) -> bool:
-    """Whether JAX can use ``tensor``'s memory in place (compact and 64-byte aligned)."""
+    """Whether JAX can use ``tensor``'s memory in place (compact and 64-byte aligned).
+
+    Example:
+        >>> is_zero_copy(torch.zeros(16)) and not is_zero_copy(torch.zeros(4, 4).T)
+        True
+    """
     return in_place(tensor) and tensor.data_ptr() % ALIGNMENT == 0
 
 
@@ -125,22 +98,30 @@ def logical(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def cpu_view(tensor: torch.Tensor, owner=True) -> np.ndarray:
+def cpu_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array over a CPU tensor's memory (compacted and resolved first if needed).
 
-    The caller has checked the dtype (``_dtypes.numpy_dtype``). ``owner=True`` keeps the
-    tensor alive with the view; ``None`` does not (held arrays).
+    The caller has checked the dtype (``_dtypes.numpy_dtype``). The view keeps the tensor
+    (or its compact copy) alive.
     """
     if not in_place(tensor):
         tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
+    return _view(tensor, tensor)
+
+
+def _view(tensor: torch.Tensor, owner) -> np.ndarray:
+    """A numpy array over ``tensor``'s memory (held in place), kept alive by ``owner``.
+
+    ``owner`` is ``None`` for a held array, which must not keep the memory alive.
+    """
     typestr, np_dtype = _dtypes.view_typestr(tensor.dtype)
     shape = tuple(tensor.shape)
     if 0 in shape:
         return np.empty(shape, np_dtype)
     pointer = tensor.data_ptr()
     if not pointer:
-        raise _no_memory(tensor)
-    view = np.asarray(_Memory(tensor if owner else None, pointer, shape, typestr))
+        raise no_memory(tensor)
+    view = np.asarray(_Memory(owner, pointer, shape, typestr))
     return view if view.dtype == np_dtype else view.view(np_dtype)
 
 
@@ -161,35 +142,6 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
 
 def _holdable(tensor: torch.Tensor) -> bool:
     return tensor.is_leaf and is_zero_copy(tensor)
-
-
-def _no_memory(tensor: torch.Tensor, what: str = "a tensor") -> TypeError:
-    return TypeError(
-        f"flaxtorch: {what} is a {type(tensor).__name__} of shape {tuple(tensor.shape)} "
-        f"with no memory of its own (a tensor subclass that wraps others, such as a DTensor "
-        f"or a pickled DTensor), so JAX has nothing to read. Pass a tensor with memory: a "
-        f"DTensor's to_local() or full_tensor(), or the tensor the subclass wraps."
-    )
-
-
-def check_memory(tensor: torch.Tensor, what: str) -> None:
-    """Refuses a tensor whose data pointer is null though it has elements.
-
-    ``what`` names it in the message ("argument 'x'").
-
-    A wrapper subclass (a DTensor) reports address 0 and exports, through ``__dlpack__``,
-    a capsule over address 0 with its global shape, which JAX accepts and then reads.
-    """
-    if not tensor.data_ptr() and tensor.numel():
-        raise _no_memory(tensor, what)
-
-
-def _elsewhere(tensor: torch.Tensor, device: torch.device) -> ValueError:
-    return ValueError(
-        f"flaxtorch: a tensor on {tensor.device} reached a call that runs on {device}. If "
-        f"a saved-tensor hook moves tensors (e.g. to offload them), its unpack hook must "
-        f"move them back to the device they came from."
-    )
 
 
 def _modes_active() -> bool:
@@ -214,16 +166,22 @@ class CpuExchange:
     def view(self, tensor: torch.Tensor):
         """What a program takes for ``tensor`` in this call."""
         if not tensor.is_cpu:  # a pointer view of another device's memory is never right
-            raise _elsewhere(tensor, self.torch_device)
-        return cpu_view(tensor)
+            raise elsewhere(tensor, self.torch_device)
+        if not in_place(tensor):
+            tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
+        return _view(tensor, tensor)
 
-    def narrowed(self, tensor: torch.Tensor, name: str, check: bool = True):
+    def narrowed(self, tensor: torch.Tensor, name: str):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.
 
         In numpy, over the tensor's memory: torch's ops cost more per call, in dispatch,
         than the pass over a batch of token ids (``_dtypes.narrow_array``).
         """
-        return _dtypes.narrow_array(self.view(tensor), name=name, check=check)
+        return _dtypes.narrow_array(self.view(tensor), name=name)
+
+    def narrowed_again(self, tensor: torch.Tensor):
+        """``narrowed`` for values checked before (the same tensor, saved for the backward)."""
+        return self.view(tensor).astype(np.int32)
 
     def hold(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
@@ -234,20 +192,18 @@ class CpuExchange:
         storage between calls). JAX never writes to or frees it.
         """
         if not tensor.is_cpu:
-            raise _elsewhere(tensor, self.torch_device)
+            raise elsewhere(tensor, self.torch_device)
         if not _holdable(tensor):
             return None
-        array = jax.device_put(cpu_view(tensor, owner=None), self.device)
+        array = jax.device_put(_view(tensor, None), self.device)
         if array.unsafe_buffer_pointer() != tensor.data_ptr():  # JAX copied: never hold
             return None
         return array
 
-    def run(self, name: str, program, *args,
-            wait: bool = True) -> tuple[list, list[torch.Tensor]]:
+    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args)``: its result arrays, and torch tensors over them.
 
-        Waits for JAX to compute the results before torch may read them. ``wait=False``
-        returns while JAX computes: the caller does work that reads none of the results
+        Returns while JAX computes: the caller does work that reads none of the results
         meanwhile, then calls ``wait(arrays)`` before anything (torch, user code, a
         saved-tensor hook) may read them. ``name`` names the program (for
         ``record_ordering`` on the DLPack route).
@@ -255,11 +211,7 @@ class CpuExchange:
         arrays = program(*args)
         if _modes_active():  # a mode sees every op, a view included, and may read it
             self.wait(arrays)
-            return arrays, [cpu_tensor(a) for a in arrays]
-        tensors = [cpu_tensor(a) for a in arrays]  # made while JAX computes (cpu_tensor)
-        if wait:
-            self.wait(arrays)
-        return arrays, tensors
+        return arrays, [cpu_tensor(a) for a in arrays]  # made while JAX computes
 
     @staticmethod
     def wait(arrays) -> None:
@@ -276,27 +228,33 @@ class DlpackExchange:
     def __init__(self, device, torch_device: torch.device):
         self.device = device
         self.torch_device = torch_device
-        self._fence = torch.zeros(1, dtype=torch.uint8, device=torch_device)
+        # Made at the first run, not here: the first exchange_for of a device may come from
+        # a torch.compile op's fake implementation, where torch makes fake tensors only.
+        self._fence = None
 
     def view(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory, ordered after torch's pending writes to it."""
         if tensor.device != self.torch_device:
-            raise _elsewhere(tensor, self.torch_device)
+            raise elsewhere(tensor, self.torch_device)
         tensor = logical(tensor.detach())
         if 0 in tensor.shape:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
         if not tensor.data_ptr():
-            raise _no_memory(tensor)
-        source = Observed(tensor, "import", self.torch_device) if recorders else tensor
-        return imported(tensor, jax.dlpack.from_dlpack(source))
+            raise no_memory(tensor)
+        return imported(tensor, jax.dlpack.from_dlpack(
+            Observed(tensor, "import", self.torch_device)))
 
-    def narrowed(self, tensor: torch.Tensor, name: str, check: bool = True):
+    def narrowed(self, tensor: torch.Tensor, name: str):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.
 
         In torch, on the tensor's device: on CUDA the check waits for the device
         (``_dtypes.narrow_to_int32``).
         """
-        return self.view(_dtypes.narrow_to_int32(tensor, name=name, check=check))
+        return self.view(_dtypes.narrow_to_int32(tensor, name=name))
+
+    def narrowed_again(self, tensor: torch.Tensor):
+        """``narrowed`` for values checked before (the same tensor, saved for the backward)."""
+        return self.view(tensor.to(torch.int32))
 
     def hold(self, tensor: torch.Tensor):
         """A JAX array over ``tensor``'s memory to reuse across calls, or ``None``.
@@ -306,7 +264,7 @@ class DlpackExchange:
         import.
         """
         if tensor.device != self.torch_device:
-            raise _elsewhere(tensor, self.torch_device)
+            raise elsewhere(tensor, self.torch_device)
         if not _holdable(tensor) or 0 in tensor.shape:
             return None
         check_memory(tensor, "a tensor")
@@ -316,35 +274,121 @@ class DlpackExchange:
             return None
         return array
 
-    def run(self, name: str, program, *args,
-            wait: bool = True) -> tuple[list, list[torch.Tensor]]:
+    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args, fence)``: its result arrays, and torch tensors over them.
 
         ``program`` is compiled with one more argument, the fence, that it waits for;
-        ``name`` names it in what ``record_ordering`` records. ``wait`` changes nothing:
-        the results are handed to torch's stream, which orders every later read.
+        ``name`` names it in what ``record_ordering`` records. The results are handed to
+        torch's stream, which orders every later read: ``wait`` has nothing to do.
         """
         device = self.torch_device
         # torch's current stream -> event -> JAX's stream, after everything torch queued.
-        exported = self._fence.detach()  # its own object, to see JAX let go (_imports)
-        source = Observed(exported, "torch->jax", device) if recorders else exported
-        fence = imported(exported, jax.dlpack.from_dlpack(source))
-        if not recorders:
-            arrays = program(*args, fence)
-            # JAX's results -> torch's current stream (torch passes it to __dlpack__).
-            return arrays, [torch.from_dlpack(a) for a in arrays]
-        record("run", device, detail=name)
+        if self._fence is None:
+            self._fence = torch.zeros(1, dtype=torch.uint8, device=device)
+        exported = self._fence.detach()  # its own object, to see JAX let go (imported)
+        fence = imported(exported, jax.dlpack.from_dlpack(
+            Observed(exported, "torch->jax", device)))
+        if recorders:
+            record("run", device, detail=name)
         arrays = program(*args, fence)
+        # JAX's results -> torch's current stream (torch passes it to __dlpack__).
         observed = [Observed(a, "jax->torch", device) for a in arrays]
         tensors = [torch.from_dlpack(o) for o in observed]
-        streams = {s for o in observed for s in o.streams}
-        record("jax->torch", device, streams.pop() if len(streams) == 1 else tuple(streams),
-               tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
+        if recorders:
+            streams = {s for o in observed for s in o.streams}
+            record("jax->torch", device, streams.pop() if len(streams) == 1 else tuple(streams),
+                   tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
         return arrays, tensors
 
     @staticmethod
     def wait(arrays) -> None:
         """Nothing to wait for: ``run`` ordered torch's stream after the results."""
+
+
+# -- held arrays ------------------------------------------------------------------------------
+class HeldSlot(NamedTuple):
+    """What ``HeldArrays`` keeps for one variable slot: the tensor as last seen, its array.
+
+    ``requires_grad`` is the grad flag the signature saw; ``array`` is ``None`` where the
+    tensor cannot be held (a non-leaf such as an autocast copy or a parametrized weight,
+    unaligned or non-compact memory): such a tensor gets a fresh view each call.
+    """
+
+    pointer: int
+    dtype: torch.dtype
+    shape: torch.Size
+    device: torch.device
+    requires_grad: bool
+    exchange: object
+    array: object
+
+
+class HeldArrays:
+    """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
+
+    See NOTE [Exchange] for when a held array is valid.
+    """
+
+    __slots__ = ("slots",)
+
+    def __init__(self):
+        self.slots: list[HeldSlot | None] = []
+
+    def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
+        """Arrays for ``tensors`` (one per slot), and whether a signature-relevant flag changed.
+
+        Signature-relevant: a device, dtype, shape or grad flag. A slot whose tensor moved
+        (same device, dtype and shape, another address or layout) gets a new array, which is
+        no change of signature. ``grads`` replaces the tensors' ``requires_grad`` flags
+        (inside a custom op, tensors arrive detached).
+
+        Raises:
+            ValueError: a tensor is not on ``exchange``'s device (nothing is held for it).
+        """
+        slots = self.slots
+        changed = len(slots) != len(tensors)
+        if changed:
+            slots[:] = [None] * len(tensors)
+        out = []
+        for i, t in enumerate(tensors):
+            s = slots[i]
+            ptr = t.data_ptr()
+            grad = t.requires_grad if grads is None else grads[i]
+            if (s is not None and s.pointer == ptr and s.exchange is exchange
+                    and s.dtype is t.dtype and s.shape == t.shape and s.requires_grad == grad):
+                if s.array is None:
+                    out.append(exchange.view(t))
+                    continue
+                if in_place(t):  # not so: a same-address view with other strides
+                    out.append(s.array)
+                    continue
+            # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
+            if (s is None or s.dtype is not t.dtype or s.shape != t.shape
+                    or s.requires_grad != grad or s.device != t.device):
+                changed = True
+            array = exchange.hold(t)
+            slots[i] = HeldSlot(ptr, t.dtype, t.shape, t.device, grad, exchange, array)
+            out.append(exchange.view(t) if array is None else array)
+        return out, changed
+
+    def get(self, slot: int, tensor: torch.Tensor, exchange):
+        """The held array of ``slot`` if ``tensor`` is still its tensor, else a fresh view.
+
+        Nothing new is held: in a backward, saved-tensor hooks may hand back temporary
+        copies.
+        """
+        s = self.slots[slot] if slot < len(self.slots) else None
+        # Whether the slot's array is ``tensor``'s memory as JAX reads it (same layout
+        # too); written out rather than a method: it runs per leaf in every backward.
+        if (s is not None and s.array is not None and s.pointer == tensor.data_ptr()
+                and s.exchange is exchange and s.dtype is tensor.dtype
+                and s.shape == tensor.shape and in_place(tensor)):
+            return s.array
+        return exchange.view(tensor)
+
+    def clear(self) -> None:
+        """Releases every held array."""
+        self.slots = []
 
 
 @ft.cache
@@ -357,4 +401,4 @@ def _exchange(device: torch.device, mode: str):
 
 def exchange_for(device: torch.device):
     """The exchange for tensors on ``device`` under the current mode (one per device)."""
-    return _exchange(device, _exchange_mode)
+    return _exchange(device, _rules.current)

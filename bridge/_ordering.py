@@ -1,11 +1,11 @@
 """Recording the DLPack route's ordering steps, so that tests check them without a GPU.
 
-While a ``record_ordering`` block is open (``recorders`` is not empty), the DLPack route
-(``_exchange.py``) hands JAX and torch ``Observed`` wrappers instead of the tensors and
-arrays themselves: each step is recorded from inside the ``__dlpack__`` call that does
-it, with the stream the consumer passed, so a step that does not happen (a fence imported
-once and reused, an import without a stream) is missing from the log rather than logged
-anyway. Outside such a block no code here runs.
+The DLPack route (``_exchange.py``) hands JAX and torch ``Observed`` wrappers instead of
+the tensors and arrays themselves, on every call; while a ``record_ordering`` block is
+open (``recorders`` is not empty) each step is recorded from inside the ``__dlpack__``
+call that does it, with the stream the consumer passed, so a step that does not happen (a
+fence imported once and reused, an import without a stream) is missing from the log
+rather than logged anyway. The path is the same with and without a block open.
 """
 
 from __future__ import annotations
@@ -69,36 +69,6 @@ def record_ordering():
         recorders.remove(log)
 
 
-def record(kind: str, device: torch.device, stream=None, detail=None) -> None:
-    """Appends one step to every open ``record_ordering`` log (``recorders``)."""
-    event = OrderingEvent(kind, device, stream, detail)
-    for log in recorders:
-        log.append(event)
-
-
 def current_stream(device: torch.device) -> int | None:
     """The current CUDA stream of torch on ``device`` (``None`` on CPU)."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-
-
-class Observed:
-    """A tensor or array whose DLPack export records itself as an ordering step.
-
-    ``torch->jax`` kinds record torch's current stream (the producer's) and the stream JAX
-    passed; ``jax->torch`` records the stream torch passed (``streams`` keeps them).
-    """
-
-    __slots__ = ("obj", "kind", "device", "streams")
-
-    def __init__(self, obj, kind: str, device: torch.device):
-        self.obj, self.kind, self.device, self.streams = obj, kind, device, []
-
-    def __dlpack_device__(self):
-        return self.obj.__dlpack_device__()
-
-    def __dlpack__(self, *args, stream=None, **kwargs):
-        self.streams.append(stream)
-        if self.kind != "jax->torch":
-            record(self.kind, self.device, current_stream(self.device),
-                   (stream, self.obj.data_ptr()))
-        return self.obj.__dlpack__(*args, stream=stream, **kwargs)

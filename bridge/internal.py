@@ -7,10 +7,10 @@ Nothing here is a stable API: it changes with the torch side that uses it (as
 from bridge._devices import default_torch_device as default_torch_device
 from bridge._dtypes import narrow_to_int32 as narrow_to_int32
 from bridge._dtypes import narrows_to_int32 as narrows_to_int32
-from bridge._exchange import ALIGNMENT as ALIGNMENT
-from bridge._exchange import check_memory as check_memory
+from bridge._exchange import HeldArrays as HeldArrays
 from bridge._exchange import exchange_for as exchange_for
-from bridge._held import HeldArrays as HeldArrays
+from bridge._rules import ALIGNMENT as ALIGNMENT
+from bridge._rules import check_memory as check_memory
 from bridge._ordering import OrderingEvent as OrderingEvent
 from bridge._ordering import record_ordering as record_ordering
 

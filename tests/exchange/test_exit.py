@@ -1,6 +1,6 @@
 """The interpreter exits cleanly while JAX's threads still hold torch memory it imported.
 
-NOTE [Imports at exit] in ``bridge/_imports.py``: the last run's inputs are dropped by a
+NOTE [Imports at exit] in ``bridge/_dlpack.py``: the last run's inputs are dropped by a
 thread of JAX's after the run; if that is the last reference to a tensor torch exported by
 DLPack, torch's deleter takes the GIL on that thread, which aborts the process once the
 interpreter is finalizing. Pinning the process to one core makes JAX's thread lose the race
@@ -20,7 +20,7 @@ import jax
 import pytest
 import torch
 
-from bridge import _imports
+from bridge import _dlpack
 from tests.support import subprocess_env
 
 SCRIPT = """
@@ -51,34 +51,34 @@ def test_exit_right_after_a_backward_on_the_dlpack_route_does_not_abort(device):
 def _import(tensor):
     """JAX's import of a fresh export of ``tensor``, recorded as the exchange records it."""
     exported = tensor.detach()
-    return exported, _imports.imported(exported, jax.dlpack.from_dlpack(exported))
+    return exported, _dlpack.imported(exported, jax.dlpack.from_dlpack(exported))
 
 
 def _settled() -> int:
     """How many imports only JAX holds, once what earlier tests left has been let go."""
-    assert _imports.wait_for_jax(timeout=60), "an earlier import was never released"
-    return _imports.jax_held()
+    assert _dlpack.wait_for_jax(timeout=60), "an earlier import was never released"
+    return _dlpack.jax_held()
 
 
 def test_waiting_ends_when_the_last_holder_lets_go():
     """``wait_for_jax`` waits, with the GIL released, for imports Python has dropped."""
     base = _settled()
     held = [_import(torch.randn(8))[0]]  # stands in for a run of JAX's that holds the tensor
-    assert _imports.jax_held() == base + 1  # Python dropped the array; the tensor lives on
+    assert _dlpack.jax_held() == base + 1  # Python dropped the array; the tensor lives on
     threading.Timer(0.3, held.clear).start()  # another thread lets go, as JAX's would
     start = time.monotonic()
-    assert _imports.wait_for_jax(timeout=30)
+    assert _dlpack.wait_for_jax(timeout=30)
     assert time.monotonic() - start >= 0.25
-    assert _imports.jax_held() == base
+    assert _dlpack.jax_held() == base
 
 
 def test_imports_python_still_holds_are_not_waited_for():
     """A module's held parameters live until the main thread, holding the GIL, drops them."""
     base = _settled()
     exported, array = _import(torch.randn(8))
-    assert _imports.jax_held() == base
+    assert _dlpack.jax_held() == base
     start = time.monotonic()
-    assert _imports.wait_for_jax(timeout=30)
+    assert _dlpack.wait_for_jax(timeout=30)
     assert time.monotonic() - start < 0.25
     del exported, array
-    assert _imports.jax_held() == base
+    assert _dlpack.jax_held() == base

@@ -1,4 +1,8 @@
-"""Torch memory JAX imported by DLPack, waited for before the interpreter finalizes.
+"""What the DLPack route (``DlpackExchange`` in ``_exchange.py``) does besides exchanging.
+
+Every export it makes goes through ``Observed``, which records the step for
+``record_ordering`` (``_ordering.py``) while a log is open, and every import is recorded
+(``imported``) for the exit handler below.
 
 NOTE [Imports at exit]. A program run keeps its inputs until it has finished, and JAX
 dispatches runs asynchronously: the thread of JAX's that finishes a run drops them. When
@@ -29,7 +33,7 @@ import weakref
 import jax
 import torch
 
-__all__ = ["imported", "jax_held", "wait_for_jax"]
+from bridge._ordering import OrderingEvent, current_stream, recorders
 
 EXIT_TIMEOUT = 60.0  # seconds the exit handler waits before it warns and lets go
 
@@ -75,3 +79,35 @@ def _wait_at_exit() -> None:
         print(f"flaxtorch: at exit, JAX still held {jax_held()} torch tensors after "
               f"{EXIT_TIMEOUT:.0f} s; the interpreter may abort while finalizing "
               f"(NOTE [Imports at exit] in bridge/_imports.py).", file=sys.stderr)
+
+
+def record(kind: str, device: torch.device, stream=None, detail=None) -> None:
+    """Appends one step to every open ``record_ordering`` log (``_ordering.py``)."""
+    event = OrderingEvent(kind, device, stream, detail)
+    for log in recorders:
+        log.append(event)
+
+
+class Observed:
+    """A tensor or array whose DLPack export records itself as an ordering step.
+
+    ``torch->jax`` kinds record torch's current stream (the producer's) and the stream JAX
+    passed; ``jax->torch`` records the stream torch passed (``streams`` keeps them). Every
+    export of the DLPack route goes through one, so that the steps a test records are the
+    steps every call makes: a fence imported once and reused is missing from the log.
+    """
+
+    __slots__ = ("obj", "kind", "device", "streams")
+
+    def __init__(self, obj, kind: str, device: torch.device):
+        self.obj, self.kind, self.device, self.streams = obj, kind, device, []
+
+    def __dlpack_device__(self):
+        return self.obj.__dlpack_device__()
+
+    def __dlpack__(self, *args, stream=None, **kwargs):
+        self.streams.append(stream)
+        if recorders and self.kind != "jax->torch":
+            record(self.kind, self.device, current_stream(self.device),
+                   (stream, self.obj.data_ptr()))
+        return self.obj.__dlpack__(*args, stream=stream, **kwargs)
