@@ -1,39 +1,47 @@
-"""The call pipeline: one call of an owner (``FlaxModule``, ``jax_function``), eager or compiled.
+"""The call pipeline: one call of an owner (``FlaxModule``, ``jax_function``).
 
 NOTE [Call path]. An owner hands its ``Caller`` what it fixes at construction
-(``Settings``); a call passes only what changes, resolved, and the owner's ``write_back``:
+(``Settings``, and the ``Edges`` above the first-order pipeline); a call passes only what
+changes, resolved, and the owner's ``write_back``:
 
     caller(resolve(...), write_back) -> outputs
 
-1. ``resolve`` (``_resolve.py``, NOTE [Resolve]): the variables the call reads, its
-   tensors and static values, autocast's casts, its device and the owner's mode, as one
-   ``Call``. Every route starts here.
+1. ``resolve`` (NOTE [Resolve] below): the variables the call reads, its tensors and
+   static values, autocast's casts, its device and the owner's mode, as one ``Call``.
+   Every edge starts here.
 2. ``Caller.prepare``: the variables' held arrays (``bridge.internal.HeldArrays``), the
    ``Signature``, its ``Entry`` from the LRU cache (built on a miss, ``_build.build``), and
-   the RNG leaf, drawn from torch's generator only if the entry's programs read it
-   (``Entry.leaves`` places it).
-3. The edge, the one step where eager and compiled calls differ: eagerly
-   ``BridgeFunction`` (``_function.py``; no autograd at all when nothing needs a
-   gradient); under ``torch.compile`` the ``flaxtorch::forward`` op (``_compile.py``),
-   whose implementation is steps 2 and 4 again.
-4. ``Entry.forward`` (``_entry.py``): views of the arguments, the entry's executable
-   through the exchange's ``run`` (NOTE [Exchange] in ``bridge/_exchange.py``);
-   ``save_for_backward`` keeps what the backward reads (``SavedLayout``), so that torch's
-   saved-tensor hooks and version counters see it.
+   the RNG slot, drawn from torch's generator only if the entry's programs read it.
+3. The edge, the one step where calls differ (NOTE [Routes] in ``_values.py``): eagerly
+   ``BridgeFunction`` (``_entry.py``; no autograd at all when nothing needs a gradient);
+   under ``torch.compile`` the ``flaxtorch::forward`` op (``_compile.py``), whose
+   implementation is steps 2 and 4 again; under ``torch.func`` a call of the layer above
+   (``_higher.py``).
+4. ``Entry.forward``: views of the arguments, the entry's executable through the
+   exchange's ``run`` (NOTE [Exchange] in ``bridge/_exchange.py``); ``save`` keeps what the
+   backward reads (``Holds``), so that torch's saved-tensor hooks and version counters see
+   it.
 5. ``write_back``: the owner copies updated state into its buffers (and, for NNX, takes
-   the graph the call left); ``apply_write_back`` is shared by both routes.
+   the graph the call left); ``apply_write_back`` is shared by every edge.
 
 Backward: ``Entry.backward`` views what was saved (held arrays reused) and runs the
 backward program through the exchange (for a scalar loss, whose forward ran
 ``value_and_grad``, ``scaled`` scales the saved gradients instead: NOTE [Scalar loss] in
-``_function.py``); ``Entry.gradients`` hands each leaf its gradient (a view of a packed
+``_entry.py``); ``Entry.gradients`` hands each leaf its gradient (a view of a packed
 buffer), ``None`` where no used output depends on it.
 
-A cached eager forward and backward of a ``FlaxModule`` runs our code in ``_module.py``,
-``_resolve.py``, this file, ``_function.py``, ``_entry.py``, ``bridge/_held.py`` and
-``bridge/_exchange.py``, and, on the "residuals" route, ``flaxside/_program.py`` (a
-lambda that drops the residual map from ``forward_with_residuals``'s results); the rest of
-``flaxside`` runs only when a signature's programs are built.
+A cached eager forward and backward of a ``FlaxModule`` runs our code in four files:
+``_module.py``, this file, ``_entry.py`` and ``bridge/_exchange.py`` (the DLPack route
+adds ``bridge/_dlpack.py``); ``flaxside`` runs only when a signature's programs are built
+(``tests/calls/test_hot_path.py`` profiles it).
+
+NOTE [Resolve]. What a call is depends on the owner's state and on torch's modes, not on
+the edge that runs it: the variables it reads (after their scopes' pre-hooks), the tensors
+it passes (autocast's casts applied), the device it runs on, and the owner's mode.
+``resolve`` reads all of that once. The eager edge, the ``torch.compile`` edge (in code
+Dynamo traces, which is why ``resolve`` only reads torch state and runs torch ops there)
+and ``FlaxModule.memory_report`` all start from one, so a call under ``torch.autocast``
+computes in the same dtypes eagerly and compiled.
 """
 
 from __future__ import annotations
@@ -41,107 +49,176 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
+import struct
 import threading
+import weakref
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
 
 import jax
 import torch
 import torch.autograd.forward_ad as _fwAD
 
 from bridge.internal import HeldArrays, exchange_for
+from flaxside.internal import ARRAY
 from torchside import _build, _checks, _errors
-from torchside._compile import CALLERS, compiled_call
-from torchside._entry import Entry, apply_write_back
-from torchside._function import apply_bridge
+from torchside._entry import Entry, apply_bridge, apply_write_back
 from torchside._options import check_choice, check_positive_int
 from torchside._recompile import RecompileMonitor
-from torchside._resolve import Call
-from torchside._transforms import apply_transformed
+from torchside._values import Call, Edges, Settings, Signature, TensorKey
+from torchside._values import function_settings as function_settings
 
 jtu = jax.tree_util
 
 RESIDUAL_MODES = ("save", "split", "recompute")
+CPU = torch.device("cpu")
+
+# What ``prepare`` does for each edge (NOTE [Routes]): which edges read the tensors'
+# memory (under torch.func they may be wrappers without any, and a compiled graph's
+# fake tensors have none), and which draw RNG keys (a report runs nothing).
+_HOLDS = frozenset({"eager", "compiled", "report"})
+_DRAWS = frozenset({"eager", "compiled", "transformed"})
+_NAMED = frozenset({"compiled", "fake"})  # a compiled graph names its entry by key
 
 _caller_ids = itertools.count(1)
+# Callers by compile id, for ``torch.compile``'s ops (``_compile.py``), which carry only
+# ints and strings. Weak: nothing here outlives its owner.
+CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-class Settings(NamedTuple):
-    """What an owner fixes once, at construction.
+# -- step 1 -------------------------------------------------------------------------------------
+def lead_device(variables, tensors) -> torch.device:
+    """The device a call runs on: its first variable's, else its first tensor's, else the CPU.
 
-    Attributes:
-        where: the owner's name for messages (``FlaxModule(Block)``).
-        state_treedef: treedef of ``(variables, raw rng keys or None)``; its leaves are the
-            variable tensors, then the rng leaf.
-        var_names: a name per variable leaf (``params.Dense_0.kernel``).
-        make_apply: ``make_apply(mode) -> apply``; ``apply(state, *args, **kwargs)``
-            returns ``(outputs, updates, flaxside.internal.WriteBack)``.
-        rng_shape: shape of the int32 raw key data drawn per call from torch's generator,
-            or ``None`` without RNG streams.
+    The tensors decide, never JAX's default device (NOTE [Devices] in docs/design.md);
+    every other tensor must be on the same device (``_checks.check_devices``).
     """
-
-    where: str
-    state_treedef: Any
-    var_names: tuple[str, ...]
-    make_apply: Callable
-    rng_shape: tuple[int, ...] | None = None
+    lead = variables[0] if variables else (tensors[0] if tensors else None)
+    return CPU if lead is None else lead.device
 
 
-class TensorKey(NamedTuple):
-    """One tensor as a signature sees it."""
+def static_key(value) -> tuple:
+    """A key that tells apart static values that compute differently.
 
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    needs_grad: bool
-
-
-class Signature(NamedTuple):
-    """Everything an entry depends on; calls with equal signatures share one.
-
-    Attributes:
-        arg_treedef: the structure of the call's ``(args, kwargs)``.
-        statics: per argument leaf, ``ARRAY`` or the key of a static value.
-        tensors: per tensor argument, its ``TensorKey``.
-        variables: per variable, its ``TensorKey``.
-        mode: the owner's mode (train/eval, the NNX graph).
-        x64: whether JAX runs with 64-bit types.
-        exchange: how tensors cross (``bridge.internal.exchange_for``: device and route).
+    ``0.0 == -0.0`` and ``1 == 1.0 == True`` but they compute differently, and ``nan !=
+    nan`` would never find its own program: floats are keyed by their bits, all by type.
     """
+    if isinstance(value, float):
+        return (float, struct.pack("<d", value))
+    if isinstance(value, complex):
+        return (complex, struct.pack("<dd", value.real, value.imag))
+    tobytes = getattr(value, "tobytes", None)  # numpy scalars
+    if tobytes is not None and getattr(value, "ndim", None) == 0:
+        return (type(value), tobytes())
+    return (type(value), value)
 
-    arg_treedef: Any
-    statics: tuple
-    tensors: tuple[TensorKey, ...]
-    variables: tuple[TensorKey, ...]
-    mode: Hashable
-    x64: bool
-    exchange: Any
 
+def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where: str,
+            autocast: str = "off", is_param: tuple = ()) -> Call:
+    """Resolves one call of an owner (NOTE [Resolve]).
 
-class Prepared(NamedTuple):
-    """Step 2 of NOTE [Call path] for one call.
+    Args:
+        variables: the owner's variable tensors, as the call reads them (a sharded owner's
+            local shards: NOTE [Sharded blocks] in ``_shard.py``).
+        args: the call's positional arguments (pytrees of tensors and static values).
+        kwargs: its keyword arguments.
+        mode: the owner's mode.
+        where: the owner's name for messages.
+        autocast: the owner's autocast behaviour (``AUTOCAST_MODES``; see ``FlaxModule``).
+        is_param: per variable, whether it is a parameter (autocast casts those).
 
-    Attributes:
-        entry: the signature's ``Entry``.
-        state_arrays: JAX arrays of the state leaves: the variables' (held), then the
-            RNG leaf's.
-        leaves: every leaf as a torch tensor, in the programs' order (``Entry.leaves``).
+    Raises:
+        TypeError: a static argument is unhashable; under ``torch.compile``, an argument
+            that is not a positional tensor.
     """
+    if torch.compiler.is_compiling():
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+            raise _errors.compiled_arguments(where, len(args), len(kwargs))
+        tensors, treedef, statics, values = list(args), None, None, None
+    else:
+        tensors, treedef, statics, values = _split_args(args, kwargs, where)
+    device = lead_device(variables, tensors)
+    cast = _autocast_dtype(device) if autocast != "off" else None
+    out_dtype = None
+    if cast is not None:
+        if autocast == "inputs":
+            variables = [_cast(v, cast) if p else v
+                         for v, p in zip(variables, is_param, strict=True)]
+            tensors = [_cast(t, cast) for t in tensors]
+        else:  # "outputs": the block runs in its parameters' dtype, inputs included
+            own = _compute_dtype(variables, is_param)
+            if own is not None:
+                tensors = [_cast(t, own) for t in tensors]
+            out_dtype = cast
+    return Call(variables, tensors, treedef, statics, values, mode, device, out_dtype)
 
-    entry: Entry
-    state_arrays: list
-    leaves: list
+
+def finish(call: Call, outputs):
+    """The outputs as the owner returns them: autocast's output cast applied."""
+    return outputs if call.out_dtype is None else _cast_tree(outputs, call.out_dtype)
 
 
-def _floating(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
+def _split_args(args: tuple, kwargs: dict, where: str):
+    """``(tensors, treedef, statics, values)`` of a call's arguments."""
+    leaves, treedef = jtu.tree_flatten((args, kwargs))
+    tensors, statics = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            statics.append(ARRAY)
+        else:
+            statics.append(static_key(leaf))
+    statics = tuple(statics)
+    try:
+        hash(statics)
+    except TypeError:
+        raise _checks.unhashable(leaves, treedef, where) from None
+    return tensors, treedef, statics, leaves
 
 
+def _autocast_dtype(device: torch.device):
+    # Only cpu and cuda can run a call (others are refused with the device error).
+    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def _compute_dtype(variables, is_param):
+    """The dtype of the floating parameters (``None`` if they have several or none)."""
+    dtypes = {v.dtype for v, p in zip(variables, is_param, strict=True)
+              if p and v.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _cast(t, dtype):
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def _cast_tree(tree, dtype):
+    if isinstance(tree, torch.Tensor):  # the common case, and traceable by Dynamo
+        return _cast(tree, dtype)
+    if type(tree) in (tuple, list):
+        return type(tree)(_cast_tree(t, dtype) for t in tree)
+    if type(tree) is dict:
+        return {k: _cast_tree(v, dtype) for k, v in tree.items()}
+    return jtu.tree_map(lambda t: _cast(t, dtype), tree,
+                        is_leaf=lambda x: isinstance(x, torch.Tensor))
+
+
+def variable_key(variables, grads) -> tuple[TensorKey, ...]:
+    """The variables' part of a signature: per variable its ``TensorKey``."""
+    return tuple(TensorKey(t.shape, t.dtype, t.device, g)
+                 for t, g in zip(variables, grads, strict=True))
+
+
+# -- steps 2 to 5 ---------------------------------------------------------------------------
 class Caller:
     """An owner's entries (an LRU cache of compiled signatures), held arrays and calls.
 
     Args:
         settings: what the owner fixes at construction.
+        edges: the edges above the first-order pipeline (``torchside._edges.EDGES``).
         residuals: the boundary mode, one of ``RESIDUAL_MODES`` (``FlaxModule``).
         cache_size: how many signatures keep their entries (LRU).
         recompile_warning: warn once (``RecompileWarning``) after this many distinct
@@ -151,12 +228,13 @@ class Caller:
     locks are rebuilt on first use.
     """
 
-    _CONFIG = ("settings", "where", "residuals", "cache_size", "recompile_warning")
+    _CONFIG = ("settings", "edges", "where", "residuals", "cache_size", "recompile_warning")
 
-    def __init__(self, settings: Settings, *, residuals: str = "save", cache_size: int = 32,
-                 recompile_warning: int | None = 8):
+    def __init__(self, settings: Settings, edges: Edges, *, residuals: str = "save",
+                 cache_size: int = 32, recompile_warning: int | None = 8):
         where = settings.where
         self.settings = settings
+        self.edges = edges
         self.where = where
         self.residuals = check_choice(
             residuals, RESIDUAL_MODES, option="residuals", where=where,
@@ -178,7 +256,7 @@ class Caller:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        new.spmd = self.spmd
+        new.plan = self.plan
         return new
 
     def __setstate__(self, state):
@@ -190,17 +268,18 @@ class Caller:
         self._by_key: dict[int, Signature] = {}  # torch.compile's graphs name entries by key
         self.held = HeldArrays()
         self._var_keys: dict = {}
+        self._rng_zeros: dict = {}
         # torchside._shard.ShardPlan once the owner is sharded; kept by a deep copy, not
         # pickled (another process has other meshes): an unpickled copy refuses its
         # DTensors by name (``_checks.explain_state_error``).
-        self.spmd = None
+        self.plan = None
         self.compile_id = next(_caller_ids)
         CALLERS[self.compile_id] = self
 
-    def shard(self, plan) -> None:
+    def place(self, plan) -> None:
         """Calls from now on run SPMD programs over ``plan`` (``torchside._shard``)."""
         self.clear()
-        self.spmd = plan
+        self.plan = plan
 
     def clear(self) -> None:
         """Drops every entry and held array; the next call compiles again."""
@@ -214,27 +293,21 @@ class Caller:
         """The cached entries, oldest first."""
         return list(self._cache.values())
 
-    def lookup(self, sig: Signature, values, remember: bool = False) -> Entry:
-        """The entry for ``sig``, built on a miss (``values``: the leaves of the arguments).
-
-        ``remember`` keeps the signature by the entry's key, for compiled graphs that
-        name the entry by key (``entry(key)``).
-        """
+    def lookup(self, sig: Signature, values) -> Entry:
+        """The entry for ``sig``, built on a miss (``values``: the leaves of the arguments)."""
         entry = self._cache.get(sig)
         if entry is not None:
             try:
                 self._cache.move_to_end(sig)  # LRU
             except KeyError:  # evicted by another thread just now
                 pass
-        else:
-            built = _build.build(self.settings, sig, values, self.monitor, self.spmd)
-            entry = Entry(built, sig.exchange, self.residuals, next(self._keys))
-            with self._lock:
-                self._cache[sig] = entry
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        if remember:
-            self._by_key[entry.key] = sig
+            return entry
+        entry = _build.build(self.settings, sig, values, self.monitor, self.plan,
+                             self.residuals, next(self._keys))
+        with self._lock:
+            self._cache[sig] = entry
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return entry
 
     def entry(self, key: int) -> Entry:
@@ -244,93 +317,92 @@ class Caller:
         return entry if entry is not None and entry.key == key else self.lookup(
             sig, [None] * len(sig.statics))
 
-    def signature(self, call: Call, grads, var_grads, exchange,
-                  cached: bool = True) -> Signature:
-        """The signature of a call.
-
-        ``grads`` / ``var_grads``: per tensor argument / variable whether it needs a
-        gradient; ``var_grads=None`` takes each variable's ``requires_grad`` under the grad
-        mode. The variables' part is cached per grad mode (or flags) until one of them
-        changes (``cached=False``: neither read nor written, for stand-in tensors).
-        """
-        flags = torch.is_grad_enabled() if var_grads is None else var_grads
-        key = self._var_keys.get(flags) if cached else None
-        if key is None:
-            if var_grads is None:
-                var_grads = [flags and t.requires_grad for t in call.variables]
-            key = tuple(TensorKey(t.shape, t.dtype, t.device, g)
-                        for t, g in zip(call.variables, var_grads, strict=True))
-            if cached:
-                self._var_keys[flags] = key
-        return Signature(call.arg_treedef, call.statics,
-                         tuple(TensorKey(t.shape, t.dtype, t.device, g)
-                               for t, g in zip(call.tensors, grads, strict=True)),
-                         key, call.mode, jax.config.jax_enable_x64, exchange)
-
-    def prepare(self, call: Call, grads, var_grads=None, remember: bool = False,
-                draw_rng: bool = True, hold: bool = True) -> Prepared:
-        """Step 2 of NOTE [Call path] for ``call``.
+    def prepare(self, call: Call, grads, var_grads, edge: str):
+        """Step 2 of NOTE [Call path]: ``(entry, state arrays, leaves)`` for ``call``.
 
         Args:
             call: the resolved call.
             grads: per tensor argument, whether it needs a gradient.
-            var_grads: per variable, whether it may need one (``None``: grad mode).
-            remember: see ``lookup``.
-            draw_rng: ``False`` never draws a key (the RNG leaf is zeros): for a call that
-                does not run (``memory_report``).
-            hold: ``False`` touches no memory (``state_arrays`` is ``None``): under a
-                torch.func transform the tensors may be wrappers without any.
+            var_grads: per variable, whether it may need one (``None``: each variable's
+                ``requires_grad`` under the grad mode).
+            edge: where the call enters (``EDGE_KINDS``): it decides whether the
+                variables' memory is read (the state arrays are ``None`` where not) and
+                whether an RNG key is drawn.
         """
+        state_arrays, changed = None, False
         try:
             exchange = exchange_for(call.device)
-            state_arrays, changed = (self.held.arrays(call.variables, exchange, var_grads)
-                                     if hold else (None, False))
+            if edge in _HOLDS:
+                state_arrays, changed = self.held.arrays(call.variables, exchange, var_grads)
         except Exception:
             _checks.explain_state_error(self.settings.var_names, call, self.where)
             raise
-        if changed:
-            self._var_keys = {}
-        sig = self.signature(call, grads, var_grads, exchange, cached=hold)
-        entry = self.lookup(sig, call.values, remember)
-        if entry.has_rng:
+        if state_arrays is None:  # stand-in tensors: a key of their own, not kept
+            var_key = variable_key(call.variables, var_grads)
+        else:
+            if changed:
+                self._var_keys = {}
+            flags = torch.is_grad_enabled() if var_grads is None else var_grads
+            var_key = self._var_keys.get(flags)
+            if var_key is None:  # until a variable changes (``changed``), per grad mode
+                var_key = self._var_keys[flags] = variable_key(
+                    call.variables, [flags and t.requires_grad for t in call.variables]
+                    if var_grads is None else var_grads)
+        sig = Signature(call.arg_treedef, call.statics,
+                        tuple(TensorKey(t.shape, t.dtype, t.device, g)
+                              for t, g in zip(call.tensors, grads, strict=True)),
+                        var_key, call.mode, jax.config.jax_enable_x64, exchange)
+        entry = self.lookup(sig, call.values)
+        if edge in _NAMED:
+            self._by_key[entry.key] = sig
+        layout = entry.layout
+        if layout.rng is None:
+            return entry, state_arrays, [*call.variables, *call.tensors]
+        rng = self._rng(entry, edge)
+        if state_arrays is not None:
+            state_arrays.append(exchange.view(rng))
+        return entry, state_arrays, layout.of_leaves(call.variables, rng, call.tensors)
+
+    def _rng(self, entry: Entry, edge: str) -> torch.Tensor:
+        """The RNG slot: fresh key data from torch's generator if the programs read it.
+
+        From torch's default generator: ``torch.manual_seed`` reproduces a run, and
+        ``torch.utils.checkpoint``'s RNG-state replay reproduces the key on recompute. An
+        eval-mode forward that uses no stream draws nothing (validation does not shift the
+        training stream); neither does a call that does not run.
+        """
+        shape, device = self.settings.rng_shape, entry.exchange.torch_device
+        if entry.rng_read and edge in _DRAWS:
             try:
-                rng = entry.rng(self.settings.rng_shape, draw_rng)
+                return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32,
+                                     device=device)
             except RuntimeError as e:  # torch.func.vmap(randomness="error")
                 if "randomness" not in str(e):
                     raise
                 raise _errors.random_under_vmap(self.where) from e
-            if hold:
-                state_arrays.append(exchange.view(rng))
-        else:
-            rng = None
-        return Prepared(entry, state_arrays, entry.leaves(call.variables, rng, call.tensors))
+        zeros = self._rng_zeros.get(device)
+        if zeros is None:
+            zeros = torch.zeros(shape, dtype=torch.int32, device=device)
+            if edge in _HOLDS:  # under a torch.func transform a new tensor is its wrapper
+                self._rng_zeros[device] = zeros
+        return zeros
 
     def __call__(self, call: Call, write_back: Callable | None = None):
-        """Runs one call (NOTE [Call path]); returns the outputs' pytree.
-
-        Under ``torch.compile`` the call is the custom ops of ``_compile.py``.
-        """
+        """Runs one call (NOTE [Call path]); returns the outputs' pytree."""
         if call.arg_treedef is None:  # resolved under torch.compile
-            return compiled_call(self, call, write_back)
-        grad = torch.is_grad_enabled()
-        grads = tuple(grad and t.requires_grad for t in call.tensors)
+            return self.edges.compiled(self, call, write_back)
         if torch._C._are_functorch_transforms_active() or _fwAD._current_level >= 0:
             # NOTE [torch.func]; forward-mode AD (forward_ad's dual tensors) too.
-            # A transform's tangents and cotangents may reach any floating leaf, whatever
-            # its requires_grad says (forward mode sets none): every one is differentiable.
-            entry, _, leaves = self.prepare(
-                call, tuple(map(_floating, call.tensors)),
-                tuple(map(_floating, call.variables)), hold=False)
-            if (entry.write_back.targets and write_back is not None
-                    and torch._C._are_functorch_transforms_active()):
-                raise _errors.write_back_under_transform(
-                    self.where, [entry.names[i] for i in entry.write_back.targets])
-            results = apply_transformed(entry, leaves)
+            entry, results = self.edges.transformed(self, call, write_back)
         else:
-            entry, state_arrays, leaves = self.prepare(call, grads)
+            grad = torch.is_grad_enabled()
+            grads = tuple(grad and t.requires_grad for t in call.tensors)
+            entry, state_arrays, leaves = self.prepare(call, grads, None, "eager")
             if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
-                results = apply_bridge(entry, self.held, state_arrays, *leaves)
+                results = apply_bridge(entry, self.held, self.edges, state_arrays, *leaves)
             else:
-                results = entry.forward(state_arrays, leaves).results
+                fwd = entry.forward(state_arrays, leaves, entry.routes["eager"])
+                entry.exchange.wait(fwd.pending)
+                results = fwd.results
         apply_write_back(write_back, entry.write_back, results, entry.n_out)
         return jtu.tree_unflatten(entry.out_treedef, results[: entry.n_out])

@@ -14,7 +14,7 @@ import bridge
 from bridge.internal import check_memory
 from flaxside.internal import ARRAY, Program, internal_assert
 from torchside import _errors
-from torchside._resolve import arg_names
+from torchside._values import arg_names
 
 jtu = jax.tree_util
 
@@ -97,3 +97,14 @@ def check_updates(program: Program, names, where: str) -> None:
         held = program.specs[i]
         if (u.shape, u.dtype) != (held.shape, held.dtype):
             raise _errors.update_mismatch(names[i], u, held, where)
+
+
+def unhashable(leaves, treedef, where: str) -> TypeError:
+    """The error for a static argument that is not hashable, naming it."""
+    for name, leaf in zip(arg_names(treedef), leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            try:
+                hash(leaf)
+            except TypeError:
+                return _errors.unhashable_static(name, leaf, where)
+    return TypeError(f"{where}: an argument is not hashable.")

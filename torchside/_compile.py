@@ -5,8 +5,9 @@ Dynamo cannot trace JAX, so under ``torch.compile`` step 3 of NOTE [Call path]
 library); every other step is the eager one, through the same functions:
 
 * step 1, ``resolve``, runs in traced code before ``compiled_call`` (autocast included);
-* ``flaxtorch::forward(caller, training, graph, mask, leaves) -> results, residuals[, rng],
-  key`` runs ``Caller.prepare`` (step 2) and ``Entry.forward`` (step 4);
+* ``flaxtorch::forward(caller, training, graph, mask, leaves) -> results, buffers[, rng],
+  key`` runs ``Caller.prepare`` (step 2) and ``Entry.forward`` (step 4) on the entry's
+  ``"compiled"`` route;
 * ``flaxtorch::backward(caller, key, saved, cotangents) -> gradient buffers`` runs
   ``Entry.backward``; the traced autograd formula hands out ``Entry.gradients``;
 * step 5, ``apply_write_back``, runs in traced code after the forward op.
@@ -14,20 +15,21 @@ library); every other step is the eager one, through the same functions:
 The last output of the forward op is an empty ``(0, key)`` tensor: its static shape tells
 the traced code which entry it called, so what it needs at trace time (how many outputs,
 their structure, what is written back: ``_facts``) is looked up from a value the op
-returned, not from state left behind by an earlier Dynamo callback.
+returned, not from state left behind by an earlier Dynamo callback. ``OpOutputs`` names
+the parts of the op's outputs.
 
 Ops carry only ints, strings and tensors: a caller is named by its ``compile_id``
-(``CALLERS`` holds callers weakly, so nothing here outlives its owner), an entry by its
-key, the owner's mode by ``training`` (-1: none) and the NNX graph's ``key`` (-1: none).
-``register_fake`` builds the entry from the fake tensors' metadata (shapes are
-specialized: JAX compiles per shape anyway). RNG keys are drawn inside the op, from
-torch's generator, only when the programs read them, and returned as one more output so
-that the backward can save them.
+(``CALLERS`` in ``_call.py`` holds callers weakly, so nothing here outlives its owner), an
+entry by its key, the owner's mode by ``training`` (-1:
+none) and the NNX graph's ``key`` (-1: none). ``register_fake`` builds the entry from the
+fake tensors' metadata (shapes are specialized: JAX compiles per shape anyway). RNG keys
+are drawn inside the op, from torch's generator, only when the programs read them, and
+returned as one more output so that the backward can save them.
 """
 
 from __future__ import annotations
 
-import weakref
+from typing import NamedTuple
 
 import jax
 import torch
@@ -35,16 +37,11 @@ import torch
 import bridge
 from flaxside.internal import ARRAY, Graph
 from torchside import _errors
-from torchside._entry import apply_write_back
-from torchside._function import save_for_backward
-from torchside._resolve import Call, TensorMeta, lead_device, positional
+from torchside._call import CALLERS, lead_device
+from torchside._entry import apply_write_back, save
+from torchside._values import Call, TensorMeta, positional
 
 jtu = jax.tree_util
-
-# Callers by compile id, for the ops, which carry only ints and strings. Weak: nothing
-# here outlives its owner.
-CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
 
 def _caller(caller_id: int):
     caller = CALLERS.get(caller_id)
@@ -70,13 +67,29 @@ def _decode_mode(training: int, graph: int):
 
 def _op_call(caller, training: int, graph: int, mask: str, leaves) -> tuple[Call, tuple, tuple]:
     """``(call, argument grads, variable grads)`` of an op's leaves (tensors or metas)."""
-    n_vars = len(caller.settings.var_names)
-    grads = tuple(m == "1" for m in mask)
-    variables, tensors = leaves[:n_vars], leaves[n_vars:]
+    variables, tensors = caller.settings.split_leaves(leaves)
+    var_grads, grads = caller.settings.split_leaves([m == "1" for m in mask])
     n = len(tensors)
     call = Call(variables, tensors, positional(n), (ARRAY,) * n, [None] * n,
                 _decode_mode(training, graph), lead_device(variables, tensors), None)
-    return call, grads[n_vars:], grads[:n_vars]
+    return call, tuple(grads), tuple(var_grads)
+
+
+class OpOutputs(NamedTuple):
+    """The forward op's outputs, by part: ``results | buffers | rng? | key marker``."""
+
+    results: list
+    buffers: list
+    rng: torch.Tensor | None
+
+    @classmethod
+    def of(cls, entry, outputs) -> OpOutputs:
+        """The parts of ``outputs`` (the key marker, the last, already read)."""
+        n, end = entry.n_results, len(outputs) - 1
+        rng = None
+        if entry.layout.rng is not None:
+            end, rng = end - 1, outputs[end - 1]
+        return cls(list(outputs[:n]), list(outputs[n:end]), rng)
 
 
 @torch._dynamo.assume_constant_result
@@ -119,12 +132,13 @@ def forward_op(caller_id: int, training: int, graph: int, mask: str,
     """Steps 2 and 4 of NOTE [Call path]: results, residuals, and the drawn RNG leaf."""
     caller = _caller(caller_id)
     call, grads, var_grads = _op_call(caller, training, graph, mask, leaves)
-    entry, state_arrays, full = caller.prepare(call, grads, var_grads, remember=True)
-    fwd = entry.forward(state_arrays, full)
-    # The RNG leaf as a fresh tensor: an op may not return one of its inputs or a tensor it
+    entry, state_arrays, full = caller.prepare(call, grads, var_grads, "compiled")
+    fwd = entry.forward(state_arrays, full, entry.routes["compiled"])
+    entry.exchange.wait(fwd.pending)
+    # The RNG slot as a fresh tensor: an op may not return one of its inputs or a tensor it
     # returned before.
-    rng = [full[entry.n_vars].clone()] if entry.has_rng else []
-    return [*fwd.results, *fwd.extra, *rng, _key_marker(entry)]
+    rng = [] if entry.layout.rng is None else [full[entry.layout.rng].clone()]
+    return [*fwd.results, *fwd.buffers, *rng, _key_marker(entry)]
 
 
 @forward_op.register_fake
@@ -132,18 +146,13 @@ def _forward_fake(caller_id, training, graph, mask, leaves):
     caller = _caller(caller_id)
     metas = [TensorMeta(tuple(int(d) for d in t.shape), t.dtype, t.device) for t in leaves]
     call, grads, var_grads = _op_call(caller, training, graph, mask, metas)
-    sig = caller.signature(call, grads, var_grads, bridge.internal.exchange_for(call.device),
-                           cached=False)
-    entry = caller.lookup(sig, call.values, remember=True)
-    program = entry.program
-    specs = list(program.out_specs)
-    if entry.route(fuse=False) == "residuals":
-        specs += program.residual_map().residual_specs
-    out = [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=entry.device)
-           for s in specs]
-    if entry.has_rng:
-        out.append(torch.empty(caller.settings.rng_shape, dtype=torch.int32,
-                               device=entry.device))
+    entry = caller.prepare(call, grads, var_grads, "fake")[0]
+    holds = entry.holding(entry.routes["compiled"])
+    device = entry.exchange.torch_device
+    out = [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=device)
+           for s in (*entry.program.out_specs, *holds.buffers)]
+    if entry.layout.rng is not None:
+        out.append(torch.empty(caller.settings.rng_shape, dtype=torch.int32, device=device))
     return [*out, _key_marker(entry)]
 
 
@@ -156,27 +165,29 @@ def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
     not alias one another.
     """
     caller = _caller(caller_id)
-    return caller.entry(key).backward(caller.held, saved, None, cots)[0]
+    entry = caller.entry(key)
+    buffers, pending = entry.backward(caller.held, entry.routes["compiled"], saved, None, cots)
+    entry.exchange.wait(pending)
+    return buffers
 
 
 @backward_op.register_fake
 def _backward_fake(caller_id, key, saved, cots):
     entry = _caller(caller_id).entry(key)
-    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype), device=entry.device)
-            for s in entry.program.grad_specs]
+    return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype),
+                        device=entry.exchange.torch_device) for s in entry.program.grad_specs]
 
 
 def _setup_context(ctx, inputs, output):
     caller_id, _, _, _, leaves = inputs
-    entry = _caller(caller_id).entry(int(output[-1].shape[1]))
-    output = output[:-1]
-    rng = output[-1] if entry.has_rng else None
-    output = output[:-1] if entry.has_rng else output
-    results, extra = output[: entry.n_results], output[entry.n_results :]
-    ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out), *extra,
-                                *([] if rng is None else [rng]))
-    full = entry.leaves(leaves[: entry.n_vars], rng, leaves[entry.n_vars :])
-    save_for_backward(ctx, entry, entry.route(fuse=False), full, results, extra, higher=False)
+    caller = _caller(caller_id)
+    entry = caller.entry(int(output[-1].shape[1]))
+    out = OpOutputs.of(entry, output)
+    ctx.mark_non_differentiable(*(out.results[k] for k in entry.nondiff_out), *out.buffers,
+                                *([] if out.rng is None else [out.rng]))
+    variables, arguments = caller.settings.split_leaves(leaves)
+    full = entry.layout.of_leaves(variables, out.rng, arguments)
+    save(ctx, entry.holding(entry.routes["compiled"]), full, out.results, out.buffers)
     ctx.caller_id, ctx.key = caller_id, entry.key
 
 
@@ -185,8 +196,8 @@ def _backward(ctx, grads):
     cots = [grads[k] for k in entry.diff_out_index]
     buffers = backward_op(ctx.caller_id, ctx.key, list(ctx.saved_tensors),
                           [None if g is None else g.contiguous() for g in cots])
-    # The op's leaves have no RNG leaf.
-    return None, None, None, None, entry.without_rng(entry.gradients(buffers, cots))
+    # The op's leaves have no RNG slot.
+    return None, None, None, None, entry.layout.without_rng(entry.gradients(buffers, cots))
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)

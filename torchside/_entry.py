@@ -1,62 +1,40 @@
-"""One signature's entry: what running its programs needs, fixed when it is built.
+"""One signature's entry, and the eager edge that runs it as one autograd node.
 
-Step 4 and the backward of NOTE [Call path] (``_call.py``). An ``Entry`` keeps what its
-signature fixes: the programs' executables (fetched from ``flaxside.Program`` at first use,
-so that a cached call runs no flaxside code), the order of its leaves, what its backward
-reads (``SavedLayout``), how gradients are viewed out of packed buffers. The eager
-``BridgeFunction`` and the ``torch.compile`` ops both run it.
+Step 4, step 5 and the backward of NOTE [Call path] (``_call.py``). An ``Entry`` keeps what
+its signature fixes (its ``Layout``, ``Route``s and ``Holds``: ``_values.py``) and runs its
+first-order programs: the executables, fetched from ``flaxside.Program`` at first use and
+then called directly through the exchange (on one device an executable is the compiled
+program itself, so a cached call runs no ``flaxside`` code), how gradients are viewed out of
+packed buffers. ``BridgeFunction`` is the eager edge; the ``torch.compile`` ops
+(``_compile.py``) run the same entry, and derivatives of a call are calls above it
+(NOTE [Higher order] in ``_higher.py``), reached through the owner's ``Edges``.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 import bridge
 from bridge.internal import HeldArrays, check_memory
-from flaxside.internal import SpmdProgram
 from torchside import _errors
+from torchside._values import Holds, Route
 
-# How a call runs its programs (``Entry.route``):
-# "plain"      no backward: ``forward`` only (no grad wanted, or none possible);
-# "residuals"  ``forward_with_residuals``, then ``backward`` from what it saved;
-# "recompute"  ``forward``, saving the inputs; ``backward_recompute`` reruns the forward;
-# "fused"      a scalar loss, eagerly: ``value_and_grad``, whose gradients the backward
-#              scales (NOTE [Scalar loss] in ``_function.py``). Compiled calls of such an
-#              entry take "residuals".
-ROUTES = ("plain", "residuals", "recompute", "fused")
-_FORWARD_PROGRAM = {"plain": "forward", "residuals": "forward_with_residuals",
-                    "recompute": "forward", "fused": "value_and_grad"}
-
-
-class SavedLayout(NamedTuple):
-    """What ``save_for_backward`` saves, in order, and how the backward reads it back.
-
-    The saved tensors are ``inputs | outputs | residuals``: the leaves at ``inputs``, the
-    results at ``outputs``, then the residual buffers. ``residuals="recompute"`` saves
-    every leaf as an input, and nothing else.
-
-    Attributes:
-        inputs: the leaf indices passed to the backward again.
-        outputs: the result indices passed to the backward again.
-        offloaded: per residual buffer, whether a remat policy put it in host memory.
-    """
-
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    offloaded: tuple[bool, ...]
-
-    def select(self, leaves, results, residuals) -> list:
-        """The tensors to save, in this layout's order."""
-        return [*(leaves[j] for j in self.inputs), *(results[k] for k in self.outputs),
-                *residuals]
-
-    def split(self, saved) -> tuple:
-        """``(inputs, outputs, residuals)`` of what was saved."""
-        a, b = len(self.inputs), len(self.inputs) + len(self.outputs)
-        return saved[:a], saved[a:b], saved[b:]
+# NOTE [Scalar loss]. When the one differentiable output of a call is a real scalar (a loss
+# computed inside the block), its VJP is linear in the cotangent (no ``custom_vjp`` rule, no
+# float16 value: ``flaxside``'s ``linear_in_cotangent``) and ``residuals="save"``, a
+# grad-enabled eager call takes the "fused" route: ``value_and_grad``, the loss and its
+# gradients for a cotangent of one, in the one program JAX compiles for
+# ``jit(value_and_grad)``, instead of a forward that writes residuals and a backward that
+# reads them. What it holds for backward is the gradient buffers (saved with
+# ``ctx.save_for_backward``, so saved-tensor hooks and ``memory_report`` see them); the
+# backward scales them by the incoming gradient (the VJP is linear over the reals;
+# ``scaled``: in place and handed over to ``.grad`` when torch frees the graph, into new
+# buffers when it keeps it), and runs no program. The cost: a forward that is never
+# followed by a backward computed the gradients for nothing (evaluate under
+# ``torch.no_grad()``). ``torch.compile`` calls take the "residuals" route.
 
 
 class Reusable(NamedTuple):
@@ -71,24 +49,21 @@ class Forward(NamedTuple):
 
     Attributes:
         results: the outputs, then the state updates, as tensors.
-        extra: the tensors the backward needs besides leaves and results: the residual
-            buffers (route ``"residuals"``) or the gradient buffers (``"fused"``).
-        route: the route that ran (``ROUTES``).
-        reuse: per saved output and residual buffer (``SavedLayout``), a ``Reusable`` or
-            ``None`` (offloaded), for route ``"residuals"``; else ``None``.
-        pending: with ``wait=False``, the arrays to ``exchange.wait`` for before anything
-            reads the tensors; else empty.
+        buffers: the program buffers torch saves (``Holds.buffers``): residuals or
+            gradients.
+        reuse: per saved output and buffer, a ``Reusable`` or ``None`` (offloaded), on the
+            "residuals" route; else ``None``.
+        pending: the arrays to ``exchange.wait`` for before anything reads the tensors.
     """
 
     results: list
-    extra: list
-    route: str
+    buffers: list
     reuse: tuple | None
     pending: list
 
 
 def apply_write_back(write_back, wb, results, n_out: int) -> None:
-    """Step 5 of NOTE [Call path], on both routes: hands the owner a call's updates.
+    """Step 5 of NOTE [Call path], on every edge: hands the owner a call's updates.
 
     ``write_back``: the owner's (``None``: it keeps no state); ``wb``: the entry's
     ``flaxside.internal.WriteBack``; the updates follow the ``n_out`` outputs in ``results``.
@@ -104,36 +79,30 @@ class Entry:
         program: the ``flaxside`` programs (``program.write_back``: which variables the
             updates replace, and the NNX graph after the call).
         exchange: how tensors cross (``bridge.internal.exchange_for``).
-        recompute: ``residuals="recompute"``.
-        fuses: a grad-enabled eager call runs ``value_and_grad`` (``residuals="save"`` and a
-            scalar loss; NOTE [Scalar loss]).
-        names, n_vars, n_state, device, narrow: as ``_build.Built`` has them.
-        has_rng: whether the owner has RNG streams (a leaf after the variables).
-        rng_used: whether the programs read the RNG leaf (else no key is drawn).
+        layout: the order of the leaves (NOTE [Leaves]).
+        routes: per edge, its ``Route`` (NOTE [Routes]).
+        holds: per route's ``programs``, its ``Holds``, made when its forward is first run.
+        rng_read: whether the programs read the RNG slot (else no key is drawn).
         nondiff_out: results torch treats as non-differentiable (ints, updates, outputs that
             depend on no differentiated leaf).
         grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
+        views: the ``GradientViews`` of packed gradient buffers, or ``None``.
         key: a small int naming the entry inside its caller (``torch.compile``'s ops).
-        sharded: the programs are SPMD over torch's ranks (NOTE [Sharded blocks]).
     """
 
-    __slots__ = ("program", "exchange", "recompute", "fuses", "names", "n_vars", "n_state",
-                 "device", "narrow", "has_rng", "rng_used", "write_back", "n_out",
-                 "n_results", "out_treedef", "nondiff_out", "diff_out_index", "grad_slots",
-                 "key", "sharded", "derived", "_executables", "_saved", "_kept", "_zero_cots",
-                 "_unreached", "_rng_zeros", "_unpack")
+    __slots__ = ("program", "exchange", "layout", "routes", "holds", "rng_read",
+                 "write_back", "n_out", "n_results", "out_treedef", "nondiff_out",
+                 "diff_out_index", "grad_slots", "views", "key", "_executables",
+                 "_zero_cots", "_unreached", "__weakref__")
 
-    def __init__(self, built, exchange, residuals: str, key: int):
-        program = built.program
+    def __init__(self, program, exchange, layout, views, routes: dict, key: int):
         self.program = program
         self.exchange = exchange
-        self.recompute = residuals == "recompute"
-        self.fuses = residuals == "save" and program.scalar_loss
-        self.names, self.n_vars, self.n_state = built.names, built.n_vars, built.n_state
-        self.device = built.device
-        self.narrow = frozenset(built.narrow)
-        self.has_rng = self.n_state > self.n_vars
-        self.rng_used = self.has_rng and program.reads[self.n_vars]
+        self.layout = layout
+        self.views = views
+        self.routes = routes
+        self.holds: dict[str, Holds] = {}
+        self.rng_read = layout.rng is not None and program.reads[layout.rng]
         self.write_back = program.write_back
         self.n_out = program.n_out
         self.n_results = len(program.out_specs)
@@ -142,157 +111,70 @@ class Entry:
         self.diff_out_index = program.diff_out_index
         self.grad_slots = program.diff_index
         self.key = key
-        self.sharded = isinstance(program, SpmdProgram)
-        self._executables: dict[str, Any] = {}
-        self.derived: dict[tuple, Any] = {}  # NOTE [Higher order]: callers of derivatives
-        self._saved: SavedLayout | None = None
-        self._kept: dict[str, tuple[int, ...]] = {}
-        self._zero_cots: dict[int, Any] = {}
-        self._unreached: dict[tuple, frozenset] = {}
-        self._rng_zeros = None
-        self._unpack = built.unpack
+        self._executables: dict = {}
+        self._zero_cots: dict = {}
+        self._unreached: dict = {}
 
-    def route(self, fuse: bool) -> str:
-        """The route a call takes (``ROUTES``); ``fuse``: eager, which may fuse."""
-        if not self.grad_slots:
-            return "plain"
-        if self.recompute:
-            return "recompute"
-        return "fused" if fuse and self.fuses else "residuals"
+    def holding(self, route: Route) -> Holds:
+        """What a call on ``route`` holds (lowering ``forward_with_residuals`` if needed)."""
+        holds = self.holds.get(route.programs)
+        if holds is None:
+            holds = self.holds[route.programs] = Holds.of(route.programs, self.program,
+                                                          self.layout)
+        return holds
 
-    def run(self, kind: str, *args, wait: bool = True) -> tuple[list, list[torch.Tensor]]:
+    def run(self, kind: str, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs program ``kind`` through the exchange: its result arrays and tensors.
 
-        ``wait=False``: see the exchange's ``run``; ``self.exchange.wait`` the arrays.
+        Returns before JAX has computed them: ``exchange.wait`` the arrays before anything
+        reads the tensors.
         """
         exe = self._executables.get(kind)
         if exe is None:  # compiled at the first call that needs it, then kept here
             exe = self._executables[kind] = self.program.executable(kind)
-        return self.exchange.run(kind, exe, *args, wait=wait)
+        return self.exchange.run(kind, exe, *args)
 
-    @property
-    def saved(self) -> SavedLayout:
-        """What the backward reads (lowering ``forward_with_residuals`` at first use)."""
-        saved = self._saved
-        if saved is None:
-            if self.recompute:
-                saved = SavedLayout(tuple(range(len(self.names))), (), ())
-            else:
-                rmap = self.program.residual_map()
-                saved = SavedLayout(rmap.saved_inputs, rmap.saved_outputs, rmap.offloaded)
-            self._saved = saved
-        return saved
-
-    def kept(self, route: str) -> tuple[int, ...]:
-        """Leaves the forward saves besides what its first-order backward reads.
-
-        A derivative of the backward reads every leaf (NOTE [Higher order] in
-        ``_higher.py``); state the owner overwrites after the forward is not saved.
-        """
-        kept = self._kept.get(route)
-        if kept is None:
-            skip = set(self.write_back.targets)
-            if route == "residuals":
-                skip.update(self.saved.inputs)
-            kept = () if route == "recompute" else tuple(
-                i for i in range(len(self.names)) if i not in skip)
-            self._kept[route] = kept
-        return kept
-
-    def all_leaves(self, route: str, saved, kept, state: dict) -> list:
-        """Every leaf for a derivative of the backward: saved, kept, then current state."""
-        if route == "recompute":
-            return list(saved)
-        leaves = [None] * len(self.names)
-        if route == "residuals":
-            for j, t in zip(self.saved.inputs, saved, strict=False):
-                leaves[j] = t
-        for i, t in zip(self.kept(route), kept, strict=True):
-            leaves[i] = t
-        for i, t in state.items():
-            leaves[i] = t
-        return leaves
-
-    def reads_overwritten_state(self) -> str | None:
-        """The name of a written-back state leaf a differentiable output depends on."""
-        for i in self.write_back.targets:
-            if any(self.program.out_reads[k] >> i & 1 for k in self.diff_out_index):
-                return self.names[i]
-        return None
-
-    # -- leaves ------------------------------------------------------------------------------
-    def leaves(self, variables, rng, tensors) -> list:
-        """Every leaf in the programs' order: the variables, the RNG leaf, the arguments."""
-        return [*variables, rng, *tensors] if self.has_rng else [*variables, *tensors]
-
-    def without_rng(self, per_leaf: list) -> list:
-        """``per_leaf`` (one item per leaf) without the RNG leaf's item."""
-        if self.has_rng:
-            del per_leaf[self.n_vars]
-        return per_leaf
-
-    def rng(self, shape, draw: bool = True) -> torch.Tensor:
-        """The RNG leaf: fresh key data from torch's generator if the programs read it.
-
-        From torch's default generator: ``torch.manual_seed`` reproduces a run, and
-        ``torch.utils.checkpoint``'s RNG-state replay reproduces the key on recompute. An
-        eval-mode forward that uses no stream draws nothing (validation does not shift the
-        training stream); neither does a call that does not run (``draw=False``).
-        """
-        if self.rng_used and draw:
-            return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32,
-                                 device=self.device)
-        if self._rng_zeros is None:
-            self._rng_zeros = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        return self._rng_zeros
-
-    def narrowed(self, j: int, tensor: torch.Tensor, check: bool = True):
+    def narrowed(self, j: int, tensor: torch.Tensor):
         """What the program takes for argument leaf ``j`` (int64) as int32.
 
         Raises naming the leaf if a value does not fit.
         """
         try:
-            return self.exchange.narrowed(tensor, self.names[j], check)
+            return self.exchange.narrowed(tensor, self.layout.names[j])
         except TypeError as e:
             raise _errors.for_owner(e, self.program.name) from None
 
     def program_arrays(self, state_arrays: list, leaves) -> list:
         """Every leaf's array: the state's (held), then views of the arguments."""
-        view = self.exchange.view
+        view, layout = self.exchange.view, self.layout
+        arguments = layout.arguments
         try:
-            if not self.narrow:
-                return state_arrays + [view(t) for t in leaves[self.n_state :]]
-            return state_arrays + [self.narrowed(j, t) if j in self.narrow else view(t)
-                                   for j, t in enumerate(leaves[self.n_state :], self.n_state)]
+            if not layout.narrow:
+                return state_arrays + [view(t) for t in leaves[arguments]]
+            return state_arrays + [self.narrowed(j, t) if j in layout.narrow else view(t)
+                                   for j, t in enumerate(leaves[arguments], arguments.start)]
         except TypeError:  # a tensor subclass without memory (a DTensor): name it
-            for j, t in enumerate(leaves[self.n_state :], self.n_state):
+            for j, t in enumerate(leaves[arguments], arguments.start):
                 try:
-                    check_memory(t, f"the argument '{self.names[j]}'")
+                    check_memory(t, f"the argument '{layout.names[j]}'")
                 except TypeError as e:
                     raise _errors.for_owner(e, self.program.name) from None
             raise
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, state_arrays: list, leaves, fuse: bool = False, wait: bool = True,
-                plain: bool = False) -> Forward:
-        """Runs the forward program of this call's route (``route(fuse)``).
-
-        ``plain``: the plain forward whatever the route (its backward recomputes).
-        """
-        arrays = self.program_arrays(state_arrays, leaves)
-        route = "plain" if plain else self.route(fuse)
-        out, tensors = self.run(_FORWARD_PROGRAM[route], arrays, wait=wait)
-        pending = [] if wait else out
+    def forward(self, state_arrays: list, leaves, route: Route) -> Forward:
+        """Runs the forward program of ``route``; returns while JAX computes (``pending``)."""
+        out, tensors = self.run(route.forward, self.program_arrays(state_arrays, leaves))
         n = self.n_results
-        if route != "residuals":
-            return Forward(tensors[:n], tensors[n:], route, None, pending)
-        saved = self.saved
+        if route.programs != "residuals":
+            return Forward(tensors[:n], tensors[n:], None, out)
+        holds = self.holding(route)
         # Offloaded residuals live in host memory, which the backward program does not take.
-        kept = [out[k] for k in saved.outputs] + list(out[n:])
-        skip = (False,) * len(saved.outputs) + saved.offloaded
+        kept = [out[k] for k in holds.outputs] + out[n:]
+        skip = (False,) * len(holds.outputs) + holds.offloaded
         reuse = tuple(None if off else Reusable(weakref.ref(a), a.unsafe_buffer_pointer())
                       for a, off in zip(kept, skip, strict=True))
-        return Forward(tensors[:n], tensors[n:], route, reuse, pending)
+        return Forward(tensors[:n], tensors[n:], reuse, out)
 
     # -- backward ----------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
@@ -301,27 +183,27 @@ class Entry:
         if zero is None:
             spec = self.program.out_specs[k]
             zero = self._zero_cots[k] = self.exchange.view(torch.zeros(
-                spec.shape, dtype=bridge.torch_dtype(spec.dtype), device=self.device))
+                spec.shape, dtype=bridge.torch_dtype(spec.dtype),
+                device=self.exchange.torch_device))
         return zero
 
-    def saved_arrays(self, held: HeldArrays, saved, reuse) -> tuple[list, list, list]:
-        """Arrays for what was saved (``SavedLayout.split``), reusing what is unchanged.
+    def saved_arrays(self, held: HeldArrays, holds: Holds, saved, reuse) -> tuple:
+        """Arrays for what was saved (``holds``), reusing what is unchanged.
 
         ``reuse``: ``Forward.reuse`` (``None``: nothing to reuse).
         """
-        exchange, n_vars, narrow = self.exchange, self.n_vars, self.narrow
-        layout = self.saved
-        inputs, outputs, residuals = layout.split(saved)
+        exchange, variables, narrow = self.exchange, self.layout.variables, self.layout.narrow
+        a, b = holds.bounds
 
         def view(j, t):
-            if j < n_vars:
+            if j < variables.stop:
                 return held.get(j, t, exchange)
             # Saved as given (int64); its values were checked by the forward, and torch's
             # version counter refuses an in-place change in between.
-            return self.narrowed(j, t, check=False) if j in narrow else exchange.view(t)
+            return exchange.narrowed_again(t) if j in narrow else exchange.view(t)
 
-        in_arrays = [view(j, t) for j, t in zip(layout.inputs, inputs, strict=True)]
-        rest = [*outputs, *residuals]
+        inputs = [view(j, t) for j, t in zip(holds.inputs, saved[:a], strict=True)]
+        rest = saved[a:]
         if reuse is None:
             arrays = [exchange.view(t) for t in rest]
         else:
@@ -331,30 +213,29 @@ class Entry:
                 # The array the forward made, unless a saved-tensor hook replaced the tensor.
                 arrays.append(array if array is not None and t.data_ptr() == r.pointer
                               else exchange.view(t))
-        return in_arrays, arrays[: len(outputs)], arrays[len(outputs) :]
+        return inputs, arrays[: b - a], arrays[b - a :]
 
-    def backward(self, held: HeldArrays, saved, reuse, cots,
-                 wait: bool = True) -> tuple[list[torch.Tensor], list]:
+    def backward(self, held: HeldArrays, route: Route, saved, reuse, cots) -> tuple:
         """The gradient buffers (``program.grad_pack``) of one call, and ``pending``.
 
         Args:
             held: the owner's held arrays (the variables' arrays are reused).
-            saved: what ``save_for_backward`` saved, as torch unpacked it.
+            route: the call's route.
+            saved: what ``save`` saved, as torch unpacked it.
             reuse: ``Forward.reuse`` of the call, or ``None``.
             cots: per differentiable output (``diff_out_index``), its cotangent or ``None``.
-            wait: as for ``forward``; ``pending`` is empty when it waited.
         """
         view = self.exchange.view
         cots = [self.zero_cotangent(k) if g is None else view(g)
                 for k, g in zip(self.diff_out_index, cots, strict=True)]
-        inputs, outputs, residuals = self.saved_arrays(held, saved, reuse)
-        if self.recompute:
-            out, tensors = self.run("backward_recompute", inputs, cots, wait=wait)
+        inputs, outputs, buffers = self.saved_arrays(held, self.holding(route), saved, reuse)
+        if route.programs == "recompute":
+            out, tensors = self.run("backward_recompute", inputs, cots)
         else:
-            out, tensors = self.run("backward", inputs, outputs, residuals, cots, wait=wait)
-        return tensors, [] if wait else out
+            out, tensors = self.run("backward", inputs, outputs, buffers, cots)
+        return tensors, out
 
-    def gradients(self, buffers: list[torch.Tensor], cots) -> list:
+    def gradients(self, buffers: list, cots) -> list:
         """Per leaf its gradient: views into the packed buffers, ``None`` where unreached.
 
         Views of one buffer share its memory; torch's ``AccumulateGrad`` takes each view as
@@ -362,24 +243,26 @@ class Entry:
         gets ``None``, as torch gives it: optimizers such as AdamW then leave it alone.
         """
         grads = buffers
-        if self._unpack is not None:
-            alone, groups, n = self._unpack
-            grads = [None] * n
-            for p, b in alone:
+        views = self.views
+        if views is not None:
+            grads = [None] * views.count
+            for p, b in views.alone:
                 grads[p] = buffers[b]
-            for b, positions, templates in groups:
-                views = torch._C._nn.unflatten_dense_tensors(buffers[b], templates)
-                for p, g in zip(positions, views, strict=True):
+            for group in views.groups:
+                parts = torch._C._nn.unflatten_dense_tensors(buffers[group.buffer],
+                                                             group.templates)
+                for p, g in zip(group.positions, parts, strict=True):
                     grads[p] = g
         used = tuple(c is not None for c in cots)
-        none = self._unreached_by(used) if not all(used) else ()
-        out = [None] * len(self.names)
+        none = self.unreached(used) if not all(used) else ()
+        out = [None] * len(self.layout.names)
         for p, (slot, g) in enumerate(zip(self.grad_slots, grads, strict=True)):
             if p not in none:
                 out[slot] = g
         return out
 
-    def _unreached_by(self, used: tuple[bool, ...]) -> frozenset:
+    def unreached(self, used: tuple[bool, ...]) -> frozenset:
+        """Positions (``diff_index``) of the gradients no used output depends on."""
         none = self._unreached.get(used)
         if none is None:
             reach = 0
@@ -389,3 +272,121 @@ class Entry:
             none = frozenset(p for p in range(len(self.grad_slots)) if not reach >> p & 1)
             self._unreached[used] = none
         return none
+
+
+# -- the eager edge --------------------------------------------------------------------------
+def save(ctx, holds: Holds, leaves, results, buffers) -> None:
+    """Saves what the backward reads (``holds``); every edge's forward shares it.
+
+    ``ctx.save_for_backward`` makes torch's saved-tensor hooks, ``save_on_cpu`` and
+    non-reentrant checkpointing see exactly what is held, and in-place writes to anything
+    the backward reads raise torch's version-counter error.
+    """
+    clones = holds.clones
+    inputs = ([leaves[i] for i in holds.inputs] if not clones else
+              [leaves[i].clone() if i in clones else leaves[i] for i in holds.inputs])
+    ctx.save_for_backward(*inputs, *(results[k] for k in holds.outputs), *buffers)
+
+
+def keep(ctx, holds: Holds, leaves) -> None:
+    """Keeps, outside what torch saves, what a derivative of the backward reads besides.
+
+    The leaves ``holds.kept`` with their versions, and the state the owner overwrites
+    (NOTE [Higher order] in ``_higher.py``). They are inputs of this call, upstream of its
+    node, so no reference cycle forms; saved-tensor hooks (``save_on_cpu``) never see them,
+    so a first-order step holds and moves exactly what it saves.
+    """
+    index = holds.kept
+    ctx.kept = kept = [leaves[i] for i in index] if index else ()
+    ctx.kept_versions = [t._version for t in kept] if index else ()
+    ctx.state = {i: leaves[i] for i in holds.state} if holds.state else _NO_STATE
+
+
+_NO_STATE: dict = {}  # never written: a call without state shares it
+
+
+def scaled(buffers, cotangent: torch.Tensor) -> list[torch.Tensor]:
+    """The fused route's gradient buffers for ``cotangent`` (NOTE [Scalar loss]).
+
+    When torch frees the graph after this backward (no ``retain_graph``, no
+    ``create_graph``), the saved buffers are read by nothing else: they are handed over,
+    scaled in place unless the cotangent is one, and ``AccumulateGrad`` takes them (or
+    views of them) as ``.grad`` without a copy. When it keeps the graph, a later backward
+    reads them again, so each is multiplied into a new buffer: handed over, it would
+    become ``.grad``, which torch accumulates into and optimizers zero in place.
+    """
+    if _keep_graph():
+        return [b * cotangent for b in buffers]
+    # A CUDA cotangent's value is not read: that would wait for the device.
+    if cotangent.device.type == "cpu" and cotangent.item() == 1:
+        return list(buffers)
+    return [b.mul_(cotangent) for b in buffers]
+
+
+def _keep_graph() -> bool:
+    """Whether torch keeps this backward's graph (``retain_graph``), saved tensors included.
+
+    torch's own compiled autograd asks the same to donate saved tensors; without the query
+    (a torch that lacks it) the answer is the safe one.
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else query()
+
+
+class BridgeFunction(torch.autograd.Function):
+    """``apply(entry, held, edges, state_arrays, *leaves) -> results``: an eager call.
+
+    ``edges``: the owner's ``Edges``; a backward that torch differentiates again
+    (``create_graph=True``) is a call of its own through ``edges.differentiate``.
+    """
+
+    @staticmethod
+    def forward(ctx, entry: Entry, held: HeldArrays, edges, state_arrays: list, *leaves):
+        # The program runs while autograd's records are made; nothing below reads a
+        # result until the wait (saved-tensor hooks run after we return), which also comes
+        # first on an error: no return while JAX still reads the inputs.
+        route = entry.routes["eager"]
+        fwd = entry.forward(state_arrays, leaves, route)
+        try:
+            results = fwd.results
+            ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out))
+            # Unused outputs get no gradient: materialised, each would be a zero tensor
+            # allocated per backward.
+            ctx.set_materialize_grads(False)
+            holds = entry.holding(route)
+            save(ctx, holds, leaves, results, fwd.buffers)
+            keep(ctx, holds, leaves)
+            ctx.entry, ctx.held, ctx.edges, ctx.route, ctx.reuse = (entry, held, edges, route,
+                                                                     fwd.reuse)
+        finally:
+            entry.exchange.wait(fwd.pending)
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry, route = ctx.entry, ctx.route
+        cots = [grads[k] for k in entry.diff_out_index]
+        saved = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True (or torch.func.grad): torch differentiates these gradients
+            # again, so they are the outputs of a differentiable call of the VJP, not of a
+            # compiled backward torch cannot see into (NOTE [Higher order]).
+            return (None, None, None, None,
+                    *ctx.edges.differentiate(ctx, entry, route, saved, cots))
+        if route.programs == "fused":
+            if cots[0] is None:  # the loss reached the backward without a gradient
+                return (None,) * (4 + len(entry.layout.names))
+            return (None, None, None, None, *entry.gradients(scaled(saved, cots[0]), cots))
+        # The gradients are viewed out of their buffers while the program runs.
+        buffers, pending = entry.backward(ctx.held, route, saved, ctx.reuse, cots)
+        try:
+            grads = entry.gradients(buffers, cots)
+        finally:
+            entry.exchange.wait(pending)
+        return (None, None, None, None, *grads)
+
+
+# torch's Function.apply walks every argument in Python (functorch's dead-wrapper check);
+# calls under a functorch transform take another Function (``_higher.TransformedCall``), so
+# we call the C++ apply directly.
+apply_bridge = super(torch.autograd.Function, BridgeFunction).apply

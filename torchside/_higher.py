@@ -1,85 +1,150 @@
-"""A call's derivatives as calls of their own: ``create_graph`` and ``torch.func``.
+"""The layer above the first-order pipeline: ``create_graph``, ``torch.func``, forward mode.
 
 NOTE [Higher order] (also in ``flaxside/_higher.py``). A first-order backward runs the
 entry's backward program on what the forward saved, and hands torch plain gradients. When
 torch differentiates that backward again (``create_graph=True``, ``torch.func.grad``),
 the backward is instead a call of its own: ``vjp_function(program)``, a JAX function of
-every leaf and the cotangents, through a ``Caller`` exactly like ``jax_function``'s. Its
-backward is that function's VJP, run the same way, so a third derivative is a call of the
-second's, and so on. Each order compiles its own programs once per signature, and each
-recomputes the forward from the leaves (what the first order saved as residuals is not
-differentiable with respect to them). The VJP returns only the gradients whose autograd
-node the running backward executes (``autograd.grad(out, x)`` executes no weight's): the
-rest are constants of it, so neither it nor its own VJP computes them, one caller per
-such subset.
+every leaf and the cotangents, called through a ``Derived`` owner, a ``jax_function`` of
+that program. Its backward is that function's VJP, run the same way, so a third
+derivative is a call of the second's, and so on (``Route.order``). Each order compiles its
+own programs once per signature, and each recomputes the forward from the leaves (what the
+first order saved as residuals is not differentiable with respect to them). The VJP
+returns only the gradients whose autograd node the running backward executes
+(``autograd.grad(out, x)`` executes no weight's): the rest are constants of it, so neither
+it nor its own VJP computes them, one owner per such subset.
 
-What a second derivative reads: every leaf of the call. The forward saves, besides what
-its first-order backward reads, the leaves it does not (references, no copies:
-parameters and arguments alive anyway cost nothing); state the owner overwrites right
-after the forward (batch statistics, counters) is read as it is at the backward, which is
-refused where a differentiable output depends on it (``residuals="recompute"`` keeps the
-forward's copy).
+What a second derivative reads: every leaf of the call. The eager forward keeps, besides
+what its first-order backward reads, the leaves it does not (``Holds.kept``: references,
+no copies: parameters and arguments alive anyway cost nothing); state the owner
+overwrites right after the forward (batch statistics, counters) is read as it is at the
+backward, which is refused where a differentiable output depends on it
+(``residuals="recompute"`` keeps the forward's copy).
+
+NOTE [torch.func]. torch's function transforms accept only an autograd Function in the
+``setup_context`` form, and hand it plain tensors only in ``forward`` and in its ``vmap``
+rule; ``backward`` and ``jvp`` see wrapped tensors with no memory JAX could read. So a
+call made while a transform is active (``transformed``, reached from ``Caller.__call__``
+through the owner's ``Edges``) takes ``TransformedCall`` instead of the eager
+``BridgeFunction``, and:
+
+* ``forward`` runs the plain forward program on views of the leaves (no residuals);
+* ``backward`` is always the differentiable call of the VJP (above):
+  ``torch.func.grad`` runs every backward with ``create_graph``;
+* ``jvp`` is the differentiable call of ``jax.jvp`` (forward mode);
+* ``vmap`` runs ``jax.vmap`` of the program, torch's ``in_dims`` as ``in_axes``, every
+  result batched on dimension 0. torch's ``randomness`` reaches the RNG streams through
+  the key torch draws: "different" draws a key per batch entry (the key is batched),
+  "same" one key, "error" refuses a call that draws one. State a call writes back
+  (batch statistics) cannot be written from a batch of calls and is refused.
+
+The first-order files never import this one: the owner hands its ``Caller`` the
+``Edges`` (``_edges.py``), and the pipeline calls up through them.
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import jax
 import torch
 
-from flaxside.internal import WriteBack, jvp_function, vjp_function
+import bridge
+from flaxside.internal import batched_function, jvp_function, vjp_function
 from torchside import _errors
-from torchside._call import Caller, Settings
-from torchside._resolve import resolve
+from torchside._call import Caller, function_settings, resolve
+from torchside._owner import CallerOwner
 
-_NO_STATE = jax.tree_util.tree_structure(((), None))
-
-
-class _Apply:
-    """A flat JAX function in the owner's apply contract: no state, no updates."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, _mode):
-        return self.apply
-
-    def apply(self, _state, *args):
-        return self.fn(*args), [], WriteBack()
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> its owners
 
 
-def derived(entry, kind: str, make, key=None) -> Caller:
-    """The entry's caller of one derived function (``kind``: "vjp", "jvp"), made once.
+class Derived(CallerOwner):
+    """A ``jax_function``-like owner of one program derived from an entry's (its VJP...).
 
-    ``key``: what else the function depends on (the gradients a VJP returns).
+    Args:
+        settings: the derived function's ``Settings`` (``function_settings``).
+        edges: the edges of the call it derives from, so that it too can be compiled,
+            transformed and differentiated again.
     """
-    callers = entry.derived
-    caller = callers.get((kind, key))
-    if caller is None:
-        settings = Settings(f"{entry.program.name} ({kind})", _NO_STATE, (),
-                            _Apply(make(entry.program)))
-        caller = callers[kind, key] = Caller(settings, residuals="save",
-                                              recompile_warning=None)
-    return caller
+
+    def __init__(self, settings, edges):
+        self._caller = Caller(settings, edges, residuals="save", recompile_warning=None)
+
+    def __call__(self, *args):
+        """Calls the derived function with positional pytrees of tensors, like any owner.
+
+        Outside a transform, tensors a finished transform left wrapped (``torch.func.vjp``'s
+        pull runs after its level ended) are unwrapped first, as torch's ``Function.apply``
+        does for its own.
+        """
+        if not torch._C._are_functorch_transforms_active():
+            unwrap = torch._C._functorch.unwrap_if_dead
+            args = jax.tree_util.tree_map(
+                lambda t: unwrap(t) if isinstance(t, torch.Tensor) else t, args)
+        caller = self._caller
+        return caller(resolve([], args, {}, mode=None, where=caller.where))
 
 
-def run(caller: Caller, *args):
-    """Calls ``caller`` with positional ``args`` (pytrees of tensors), eagerly or transformed.
+def derived(edges, entry, kind: str, make, key=None) -> Derived:
+    """The entry's owner of one derived function (``kind``: "vjp", "jvp"), made once.
 
-    Outside a transform, tensors a finished transform left wrapped (``torch.func.vjp``'s
-    pull runs after its level ended) are unwrapped first, as torch's ``Function.apply``
-    does for its own.
+    ``key``: what else the function depends on (the gradients a VJP returns). The owners
+    live as long as the entry (a weak dictionary: nothing outlives its owner).
     """
-    if not torch._C._are_functorch_transforms_active():
-        unwrap = torch._C._functorch.unwrap_if_dead
-        args = jax.tree_util.tree_map(
-            lambda t: unwrap(t) if isinstance(t, torch.Tensor) else t, args)
-    return caller(resolve([], args, {}, mode=None, where=caller.where))
+    owners = _DERIVED.get(entry)
+    if owners is None:
+        owners = _DERIVED[entry] = {}
+    owner = owners.get((kind, key))
+    if owner is None:
+        order = entry.routes["eager"].order + 1
+        settings = function_settings(f"{entry.program.name} ({kind})", make(entry.program),
+                                     order)
+        owner = owners[kind, key] = Derived(settings, edges)
+    return owner
 
 
-def differentiable_backward(entry, leaves: list, cots: list, nodes=None) -> list:
+def derived_owners(entry) -> list[Derived]:
+    """The owners derived from ``entry`` so far (for tests and the benchmark)."""
+    return list(_DERIVED.get(entry, {}).values())
+
+
+# -- a backward differentiated again (Edges.differentiate) ------------------------------------
+def differentiate(ctx, entry, route, saved, cots) -> list:
+    """The eager backward as a differentiable call of the VJP (NOTE [Higher order]).
+
+    ``ctx``: the eager call's autograd context (``keep`` left the kept leaves there).
+    """
+    where = entry.program.name
+    if route.placement == "mesh":
+        raise _errors.sharded_higher_order(where)
+    holds = entry.holding(route)
+    if holds.state:
+        changed = _overwritten_state_read(entry)
+        if changed is not None:
+            raise _errors.higher_order_after_write_back(where, changed)
+    for i, t, version in zip(holds.kept, ctx.kept, ctx.kept_versions, strict=True):
+        if t._version != version:  # as torch's check of what it saved
+            raise _errors.modified_for_higher_order(where, entry.layout.names[i])
+    leaves = holds.every_leaf(entry.layout, saved, ctx.kept, ctx.state)
+    # The leaves' nodes (torch lists an edge per tensor argument: the leaves alone).
+    nodes = [node for node, _ in ctx.next_functions]
+    return differentiable_backward(ctx.edges, entry, leaves, cots, nodes)
+
+
+def _overwritten_state_read(entry) -> str | None:
+    """The name of a written-back state leaf a differentiable output depends on."""
+    out_reads = entry.program.out_reads
+    for i in entry.write_back.targets:
+        if any(out_reads[k] >> i & 1 for k in entry.diff_out_index):
+            return entry.layout.names[i]
+    return None
+
+
+def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None) -> list:
     """Per leaf its gradient, as the output of a differentiable call (NOTE above).
 
     Args:
+        edges: the edges of the call (its derived owners get them too).
         entry: the call's entry.
         leaves: every leaf of the call, as torch tensors, in the programs' order.
         cots: per differentiable output (``diff_out_index``), its cotangent or ``None``.
@@ -88,22 +153,23 @@ def differentiable_backward(entry, leaves: list, cots: list, nodes=None) -> list
             (``autograd.grad`` of the input alone, as a gradient penalty asks) is
             neither computed nor differentiated later.
     """
-    if nodes is not None and len(nodes) != len(entry.names):
-        raise AssertionError(f"{len(nodes)} autograd edges for {len(entry.names)} leaves")
+    n = len(entry.layout.names)
+    if nodes is not None and len(nodes) != n:
+        raise AssertionError(f"{len(nodes)} autograd edges for {n} leaves")
     used = tuple(c is not None for c in cots)
-    none = entry._unreached_by(used) if not all(used) else ()
+    none = entry.unreached(used) if not all(used) else ()
     wanted = tuple(p for p, slot in enumerate(entry.grad_slots)
                    if p not in none and (nodes is None or _executes(nodes[slot])))
-    out = [None] * len(entry.names)
+    out = [None] * n
     if not wanted:
         return out
-    zeros = [torch.zeros(s.shape, dtype=_torch_dtype(s.dtype), device=entry.device)
+    device = entry.exchange.torch_device
+    zeros = [torch.zeros(s.shape, dtype=bridge.torch_dtype(s.dtype), device=device)
              for s in (entry.program.out_specs[k] for k in entry.diff_out_index)]
     cots = [z if c is None else c for c, z in zip(cots, zeros, strict=True)]
     key = None if len(wanted) == len(entry.grad_slots) else wanted
-    caller = derived(entry, "vjp", lambda program: vjp_function(program, key), key)
-    grads = run(caller, list(leaves), cots)
-    for p, g in zip(wanted, grads, strict=True):
+    owner = derived(edges, entry, "vjp", lambda program: vjp_function(program, key), key)
+    for p, g in zip(wanted, owner(list(leaves), cots), strict=True):
         out[entry.grad_slots[p]] = g
     return out
 
@@ -122,12 +188,12 @@ def _executes(node) -> bool:
         return True
 
 
-def forward_tangents(entry, leaves: list, tangents: list) -> list:
+def forward_tangents(edges, entry, leaves: list, tangents: list) -> list:
     """Per differentiable output its tangent, for per-leaf ``tangents`` (``None``: zero)."""
     tangents = [torch.zeros_like(leaves[i]) if tangents[i] is None else tangents[i]
                 for i in entry.grad_slots]
     try:
-        _, out = run(derived(entry, "jvp", jvp_function), list(leaves), tangents)
+        _, out = derived(edges, entry, "jvp", jvp_function)(list(leaves), tangents)
     except Exception as e:
         if "custom_vjp" in str(e) or "can't apply forward-mode" in str(e):
             raise _errors.no_forward_mode(entry.program.name) from e
@@ -135,7 +201,86 @@ def forward_tangents(entry, leaves: list, tangents: list) -> list:
     return out
 
 
-def _torch_dtype(dtype):
-    import bridge
+# -- calls under torch.func (Edges.transformed) ------------------------------------------------
+class Bundle(NamedTuple):
+    """What a transformed call passes besides its leaves (not a tensor: torch ignores it)."""
 
-    return bridge.torch_dtype(dtype)
+    entry: object
+    edges: object
+
+
+def transformed(caller: Caller, call, write_back) -> tuple:
+    """``(entry, results)`` of one call under an active transform (NOTE [torch.func]).
+
+    A transform's tangents and cotangents may reach any floating leaf, whatever its
+    ``requires_grad`` says (forward mode sets none): every one is differentiable.
+    """
+    if caller.plan is not None:
+        raise _errors.sharded_under_transform(caller.where)
+    entry, _, leaves = caller.prepare(call, tuple(map(_floating, call.tensors)),
+                                      tuple(map(_floating, call.variables)), "transformed")
+    if (entry.write_back.targets and write_back is not None
+            and torch._C._are_functorch_transforms_active()):
+        raise _errors.write_back_under_transform(
+            caller.where, [entry.layout.names[i] for i in entry.write_back.targets])
+    return entry, TransformedCall.apply(Bundle(entry, caller.edges), *leaves)
+
+
+def _floating(t) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class TransformedCall(torch.autograd.Function):
+    """``apply(bundle, *leaves) -> results``: one call of an entry under torch.func."""
+
+    @staticmethod
+    def forward(bundle: Bundle, *leaves):
+        entry = bundle.entry
+        view = entry.exchange.view
+        arrays = [view(t) for t in leaves[entry.layout.state]]
+        fwd = entry.forward(arrays, leaves, entry.routes["transformed"])
+        entry.exchange.wait(fwd.pending)
+        return tuple(fwd.results)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        bundle, *leaves = inputs
+        ctx.mark_non_differentiable(*(output[k] for k in bundle.entry.nondiff_out))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*leaves)
+        ctx.save_for_forward(*leaves)
+        ctx.bundle = bundle
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry, edges = ctx.bundle
+        cots = [grads[k] for k in entry.diff_out_index]
+        nodes = [node for node, _ in ctx.next_functions]  # the leaves' (the only tensors)
+        return (None, *differentiable_backward(edges, entry, list(ctx.saved_tensors), cots,
+                                               nodes))
+
+    @staticmethod
+    def jvp(ctx, _bundle, *tangents):
+        entry, edges = ctx.bundle
+        out = forward_tangents(edges, entry, list(ctx.saved_tensors), list(tangents))
+        results = [None] * entry.n_results
+        for k, t in zip(entry.diff_out_index, out, strict=True):
+            results[k] = t
+        return tuple(results)
+
+    @staticmethod
+    def vmap(info, in_dims, bundle, *leaves):
+        entry, edges = bundle
+        dims = tuple(in_dims[1:])
+        if entry.write_back.targets:
+            raise _errors.write_back_under_transform(
+                entry.program.name, [entry.layout.names[i] for i in entry.write_back.targets])
+        owner = derived(edges, entry, f"vmap over {dims}",
+                        lambda program: _batched(program, dims))
+        results = owner(list(leaves))
+        return tuple(results), (0,) * len(results)
+
+
+def _batched(program, dims):
+    fn = batched_function(program, dims)
+    return lambda leaves: fn(list(leaves))

@@ -5,39 +5,35 @@ from __future__ import annotations
 import functools as ft
 from collections.abc import Callable
 
-import jax
-
-from flaxside.internal import WriteBack
-from torchside._call import Caller, Settings
+from torchside._call import Caller, function_settings, resolve
+from torchside._edges import EDGES
 from torchside._owner import CallerOwner
-from torchside._resolve import resolve
-
-_NO_STATE = jax.tree_util.tree_structure(((), None))
-
-
-class _Apply:
-    """``fn`` in the owner's apply contract: no state, no updates (picklable if ``fn`` is)."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, _mode):
-        return self.apply
-
-    def apply(self, _state, *args, **kwargs):
-        return self.fn(*args, **kwargs), [], WriteBack()
 
 
 class JaxFunction(CallerOwner):
-    """A JAX function called with torch tensors; see ``jax_function``."""
+    """A JAX function called with torch tensors, as ``jax_function`` makes it.
+
+    Args:
+        fn: the JAX function.
+        residuals: ``"save"``, ``"split"`` or ``"recompute"`` (see ``FlaxModule``).
+        cache_size: how many call signatures keep their compiled programs (LRU).
+        recompile_warning: warn once after this many distinct call signatures; ``None``
+            never warns.
+
+    Example:
+        >>> import jax.numpy as jnp, torch
+        >>> f = JaxFunction(lambda x: jnp.sin(x) * 2, cache_size=4)
+        >>> f(torch.zeros(3)).tolist(), f.cache_size
+        ([0.0, 0.0, 0.0], 4)
+    """
 
     def __init__(self, fn: Callable, *, residuals: str = "save", cache_size: int = 32,
                  recompile_warning: int | None = 8):
         ft.update_wrapper(self, fn)
         self.fn = fn
         name = getattr(fn, "__name__", type(fn).__name__)
-        settings = Settings(f"jax_function({name})", _NO_STATE, (), _Apply(fn))
-        self._caller = Caller(settings, residuals=residuals, cache_size=cache_size,
+        self._caller = Caller(function_settings(f"jax_function({name})", fn), EDGES,
+                              residuals=residuals, cache_size=cache_size,
                               recompile_warning=recompile_warning)
 
     def __call__(self, *args, **kwargs):

@@ -8,17 +8,18 @@ import torch
 import bridge
 from flaxside.internal import adapter_for, key_data_shape, program_report
 from torchside import _errors
-from torchside._call import Caller, Settings
+from torchside._call import Caller, finish, resolve
+from torchside._edges import EDGES
 from torchside._initializer import Initializer
 from torchside._options import check_choice
 from torchside._owner import CallerOwner
-from torchside._resolve import AUTOCAST_MODES, Call, resolve
-from torchside._variables import assign, attach_variables
+from torchside._values import AUTOCAST_MODES, Call, Settings
+from torchside._variables import FlaxVariables, attach_variables
 
 jtu = jax.tree_util
 
 
-class FlaxModule(CallerOwner, torch.nn.Module):
+class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
     """Runs a Flax Linen or NNX module inside PyTorch; torch owns its variables.
 
     Parameters (Linen's ``params`` collection, NNX's ``nnx.Param``) become
@@ -132,24 +133,8 @@ class FlaxModule(CallerOwner, torch.nn.Module):
             (adapter.treedef.unflatten([0] * n), 0 if rngs else None))
         settings = Settings(where, state_treedef, adapter.names, adapter.make_apply,
                             (len(rngs), *key_data_shape()) if rngs else None)
-        self._caller = Caller(settings, residuals=residuals, cache_size=cache_size,
+        self._caller = Caller(settings, EDGES, residuals=residuals, cache_size=cache_size,
                               recompile_warning=recompile_warning)
-
-    @property
-    def flax_module(self):
-        """The Flax module: the Linen module given, or an NNX module over torch's state.
-
-        For NNX it is merged from the current parameters and buffers (zero-copy views), in
-        the graph and train/eval mode a call would use; the module given to the constructor
-        is not kept (its arrays would be a second copy of every parameter).
-        """
-        if not self._nnx:
-            return self._linen
-        from flax import nnx
-
-        model = nnx.merge(self._graph.graphdef, *self.flax_variables())
-        model.train() if self.training else model.eval()
-        return model
 
     # -- torch hooks that replace or re-type the variables ------------------------------
     def _apply(self, fn, recurse=True):
@@ -192,14 +177,17 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         with torch.enable_grad():  # the signature of a training call
             entry = caller.prepare(
                 call, tuple(t.is_floating_point() or t.is_complex() for t in call.tensors),
-                draw_rng=False).entry
+                None, "report")[0]
         if not entry.grad_slots:
             raise _errors.nothing_to_report(caller.where)
         param_bytes = sum(t.numel() * t.element_size()
                           for t, p in zip(call.variables, self._is_param, strict=True) if p)
-        return program_report(entry.program, param_bytes=param_bytes,
-                              held=_held_besides_residuals(entry), recompute=entry.recompute,
-                              fused=entry.fuses)
+        # What the call holds is read from the value its save reads (NOTE [What a call holds]).
+        route = entry.routes["report"]
+        held = entry.holding(route).held_specs(entry.program, entry.layout)
+        programs = (route.forward,) if route.backward is None else (route.forward, route.backward)
+        return program_report(entry.program, param_bytes=param_bytes, held=held,
+                              programs=programs)
 
     # -- the call -----------------------------------------------------------------------
     def _call_mode(self):
@@ -207,10 +195,13 @@ class FlaxModule(CallerOwner, torch.nn.Module):
         return (self.training, self._graph) if self._nnx else self.training
 
     def _resolve(self, args: tuple, kwargs: dict) -> Call:
-        """Step 1 of NOTE [Call path] (``_resolve.py``)."""
-        return resolve(self._variables(), args, kwargs, mode=self._call_mode(),
+        """Step 1 of NOTE [Call path] (``resolve`` in ``_call.py``)."""
+        variables = self._variables()
+        if self._caller.plan is not None:
+            variables = self._local_shards(variables)
+        return resolve(variables, args, kwargs, mode=self._call_mode(),
                        where=self._caller.where, autocast=self.autocast,
-                       is_param=self._is_param, sharded=self._caller.spmd is not None)
+                       is_param=self._is_param)
 
     def _current_tensors(self) -> list[torch.Tensor]:
         """The variables' tensors now, read as torch modules read them.
@@ -255,7 +246,7 @@ class FlaxModule(CallerOwner, torch.nn.Module):
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
         call = self._resolve(args, kwargs)
-        return call.finish(self._caller(call, self._write_back))
+        return finish(call, self._caller(call, self._write_back))
 
     # -- dtype and device moves ---------------------------------------------------------
     def to(self, *args, **kwargs):  # noqa: D102
@@ -266,100 +257,6 @@ class FlaxModule(CallerOwner, torch.nn.Module):
     def double(self):  # noqa: D102
         _check_wide(torch.float64, "double")
         return super().double()
-
-    # -- moving weights between worlds --------------------------------------------------
-    def flax_variables(self):
-        """The current parameters and buffers as Flax state (zero-copy views).
-
-        Linen: the variables dict (``{"params": ..., "batch_stats": ...}``). NNX: a
-        ``(params, rest)`` pair of ``nnx.State`` to pass to ``nnx.merge(graphdef, ...)``.
-        Key-typed state comes back as typed keys and unsigned state in its own dtype (torch
-        holds them as raw int32 data); other arrays share memory with the torch tensors.
-
-        Example:
-            >>> import flax.linen as nn
-            >>> m = FlaxModule(nn.Dense(3), example_args=(torch.zeros(1, 2),))
-            >>> m.flax_variables()["params"]["kernel"].shape
-            (2, 3)
-        """
-        return self._adapter.variables(
-            [bridge.to_jax(t.detach(), name=n) for t, n in
-             zip(self._current_tensors(), self._adapter.names, strict=True)]
-        )
-
-    def load_flax_variables(self, variables) -> None:
-        """Copies Flax variables (same structure as ``flax_variables()``) into the module.
-
-        Raises:
-            ValueError: the structure differs, or a leaf's shape differs (names the path).
-        """
-        leaves = self._adapter.leaf_values(variables)
-        targets = self._current_tensors()
-        for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-            if tuple(leaf.shape) != tuple(t.shape):
-                raise _errors.flax_shape(name, tuple(leaf.shape), tuple(t.shape))
-        with torch.no_grad():
-            for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                assign(t, leaf, name)
-
-    def reset_parameters(self) -> None:
-        """Computes the initial parameters and buffers again, in place, with the module's seed.
-
-        The values equal those of a module built directly with the same arguments, bit for
-        bit (a Linen module's init runs on zeros shaped like ``example_args``: see
-        ``_initializer.py``), computed on the device the variables are on. This is the
-        deferred-init recipe of PyTorch and FSDP2: build under ``torch.device("meta")``
-        (nothing is allocated), shard, ``to_empty(device=...)``, then ``reset_parameters()``
-        on every module that has it. Parameters sharded as DTensors (FSDP2) get their own
-        shard of the values.
-
-        Raises:
-            RuntimeError: the variables are still on the meta device (call ``to_empty``
-                first), or the module was built from ``variables=`` or an NNX module
-                instance, whose init cannot be run again.
-        """
-        where = self._caller.where
-        if self._initializer is None:
-            raise _errors.no_initializer(where, self._nnx)
-        targets = self._current_tensors()
-        device = next((t.device for t in targets), torch.device("cpu"))
-        if device.type == "meta":
-            raise _errors.reset_on_meta(where)
-        plan = self._caller.spmd
-        if plan is not None:  # each rank computes its own shards only
-            shardings = [plan.sharding(d, t.dim()) for d, t in zip(plan.dims, targets,
-                                                                    strict=True)]
-            values = self._initializer.sharded_values(
-                self._adapter.treedef.unflatten(shardings))
-            leaves = [x.addressable_data(0) for x in self._adapter.leaf_values(values)]
-        else:
-            values = self._initializer.values(device)
-            if self._nnx:
-                from flax import nnx
-
-                values = nnx.split(values, nnx.Param, ...)[1:]
-            leaves = self._adapter.leaf_values(values)
-        with torch.no_grad():
-            for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
-                assign(t, leaf, name, local=plan is not None)
-
-
-def _held_besides_residuals(entry) -> list:
-    """What a call saves for the backward besides the program's residuals, as specs.
-
-    Besides the owner's variables, the call's arguments and its outputs too (see
-    ``save_for_backward``): a drawn RNG key, copies of written-back state, saved state
-    updates.
-    """
-    program = entry.program
-    rng = [program.specs[entry.n_vars]] if entry.has_rng else []
-    if entry.recompute:
-        # Every leaf is saved (the RNG leaf too), written-back state as a clone.
-        return [program.specs[i] for i in entry.write_back.targets] + rng
-    saved = entry.saved
-    return ([s for s in rng if entry.n_vars in saved.inputs]
-            + [program.out_specs[k] for k in saved.outputs if k >= entry.n_out])
-
 
 def _check_wide(dtype, method: str) -> None:
     if dtype in (torch.float64, torch.complex128) and not jax.config.jax_enable_x64:

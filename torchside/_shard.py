@@ -8,13 +8,14 @@ FSDP-style, on the last dimension that divides by the mesh size (scanned stacks 
 layer axes first, so each scan iteration gathers its own layer), else ``Replicate()``.
 Buffers stay plain tensors, the same on every rank.
 
-A call then runs one SPMD program over JAX's distributed runtime (``flaxside``'s
-``SpmdProgram``, NOTE [SPMD programs]): each rank passes its parameters' local shards and
+A call then runs one SPMD program over JAX's distributed runtime (a ``flaxside`` program
+placed ``OnMesh``, NOTE [SPMD programs]): each rank passes its parameters' local shards and
 its local batch (every tensor argument is its rank's shard of the batch on dimension 0),
 XLA's partitioner gathers each layer's parameters inside the scan and reduces their
 gradients, and each rank receives its own rows of the outputs and its own shards of the
-gradients: the resolve step reads each DTensor parameter through ``to_local()``, whose
-backward makes the local gradient a DTensor with the parameter's placements. Gradients
+gradients: the module reads each DTensor parameter through ``to_local()`` before the
+resolve step, whose backward makes the local gradient a DTensor with the parameter's
+placements. Gradients
 are reduced once, in the program, with FSDP's mean, and FSDP2 must not reduce them again:
 leave the block's parameters out of an enclosing ``fully_shard`` (``ignored_params``).
 
@@ -28,6 +29,7 @@ backends, so build the model under ``torch.device("meta")`` (which starts none) 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -36,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flaxside.internal import SpmdLayout
+from flaxside.internal import OnMesh
 from torchside import _errors
 
 DEFAULT_AXIS = "shard"
@@ -64,10 +66,20 @@ def shard(module, mesh=None, *, axis_rules=None):
         RuntimeError: torch.distributed is not initialized, or JAX's backends already
             exist (JAX's distributed runtime must start first).
         ValueError: the mesh is not one-dimensional, or the module is already sharded.
+
+    Example:
+        Under ``torchrun --nproc_per_node 2`` (``examples/train_sharded.py`` runs it whole)::
+
+            dist.init_process_group("gloo")
+            with torch.device("meta"):
+                block = FlaxModule(Deep(), example_args=(torch.zeros(32, 64),))
+            shard(block)                      # parameters become DTensors over the ranks
+            block.to_empty(device="cpu")
+            block.reset_parameters()          # each rank initializes its own shards
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    where = module._caller.where
+    where = module._where
     if not dist.is_available() or not dist.is_initialized():
         raise _errors.shard_without_process_group(where)
     if mesh is None:
@@ -77,17 +89,14 @@ def shard(module, mesh=None, *, axis_rules=None):
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if mesh.ndim != 1:
         raise _errors.mesh_not_1d(where, mesh)
-    if module._caller.spmd is not None:
-        raise _errors.already_sharded(where)
+    targets = module._shard_targets(axis_rules)  # refuses a module already sharded
     start_jax_distributed(mesh.device_type)
     axis = (mesh.mesh_dim_names or (DEFAULT_AXIS,))[0]
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
     jax_mesh = jax.sharding.Mesh(np.array(devices), (axis,))
     size = mesh.size()
-    names = partition_names(module, axis_rules)
-    dims = []
-    for (scope, name, is_param), flax_names in zip(module._refs, names, strict=True):
-        t = (scope._parameters if is_param else scope._buffers)[name]
+    dims, parameters = [], {}
+    for i, (t, is_param, flax_names) in enumerate(targets):
         dim = None
         if is_param and (t.is_floating_point() or t.is_complex()):
             dim = _sharded_dim(tuple(t.shape), size, axis, flax_names)
@@ -104,36 +113,39 @@ def shard(module, mesh=None, *, axis_rules=None):
                                        stride=t.stride())
         else:
             value = distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
-        scope._parameters[name] = torch.nn.Parameter(value, requires_grad=t.requires_grad)
-    module._caller.shard(ShardPlan(mesh, jax_mesh, axis, tuple(dims)))
+        parameters[i] = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+    module._shard_with(ShardPlan(mesh, OnMesh(jax_mesh, axis, (), ()), tuple(dims)),
+                       parameters)
     return module
 
 
 class ShardPlan:
-    """What ``shard`` decided: the meshes, the axis, and per variable its sharded dim."""
+    """What ``shard`` decided: the meshes, and per variable its sharded dimension.
 
-    __slots__ = ("mesh", "jax_mesh", "axis", "dims")
+    Attributes:
+        mesh: torch's ``DeviceMesh``.
+        on_mesh: the JAX side's ``flaxside.internal.OnMesh`` (its mesh and axis; the
+            leaves' dimensions are filled per call by ``placement``).
+        dims: per variable, the dimension sharded over the axis, or ``None``.
+    """
 
-    def __init__(self, mesh, jax_mesh, axis: str, dims: tuple):
-        self.mesh, self.jax_mesh, self.axis, self.dims = mesh, jax_mesh, axis, dims
+    __slots__ = ("mesh", "on_mesh", "dims")
 
-    def layout(self, n_state: int, n_vars: int, arg_ndims) -> SpmdLayout:
-        """The ``SpmdLayout`` of a call.
+    def __init__(self, mesh, on_mesh: OnMesh, dims: tuple):
+        self.mesh, self.on_mesh, self.dims = mesh, on_mesh, dims
 
-        Variables as planned, the RNG leaf replicated, every tensor argument (but a 0-d
-        one) its rank's shard of the batch on dimension 0.
+    def placement(self, layout, arg_ndims) -> OnMesh:
+        """Where a call's programs run: variables as planned, the RNG slot replicated,
+        every tensor argument (but a 0-d one) its rank's shard of the batch on dimension 0.
         """
-        args = tuple(0 if ndim else None for ndim in arg_ndims)
-        dims = self.dims + (None,) * (n_state - n_vars) + args
-        batch = (False,) * n_state + tuple(d is not None for d in args)
-        return SpmdLayout(self.jax_mesh, self.axis, dims, batch)
+        args = [0 if ndim else None for ndim in arg_ndims]
+        dims = layout.of_leaves(self.dims, None, args)
+        batch = layout.of_leaves([False] * len(self.dims), False, [d is not None for d in args])
+        return dataclasses.replace(self.on_mesh, dims=tuple(dims), batch=tuple(batch))
 
-    def sharding(self, dim, ndim: int):
-        """The JAX sharding of a variable sharded on ``dim``."""
-        spec = [None] * ndim
-        if dim is not None:
-            spec[dim] = self.axis
-        return jax.sharding.NamedSharding(self.jax_mesh, jax.sharding.PartitionSpec(*spec))
+    def sharding(self, ndim: int, dim):
+        """The JAX sharding of a variable of ``ndim`` dimensions sharded on ``dim``."""
+        return self.on_mesh.sharding(ndim, dim)
 
 
 def _sharded_dim(shape: tuple, size: int, axis: str, flax_names) -> int | None:
@@ -145,32 +157,6 @@ def _sharded_dim(shape: tuple, size: int, axis: str, flax_names) -> int | None:
         if shape[d] % size == 0 and shape[d] >= size:
             return d
     return None
-
-
-def partition_names(module, axis_rules=None) -> list:
-    """Per variable, the mesh axis names Flax's partitioning metadata gives its dimensions.
-
-    ``None`` for a variable without metadata (and for every NNX variable).
-    """
-    adapter = module._adapter
-    n = len(adapter.names)
-    if adapter.kind != "linen":
-        return [None] * n
-    import flax.linen as nn
-
-    tree = adapter.treedef.unflatten(list(range(n)))
-    out = [None] * n
-
-    def visit(x):
-        if isinstance(x, nn.Partitioned):
-            names = x.names
-            if isinstance(x, nn.LogicallyPartitioned):
-                names = tuple(nn.logical_to_mesh_axes(names, axis_rules or ()))
-            out[x.value] = tuple(names)
-        return x
-
-    jax.tree_util.tree_map(visit, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    return out
 
 
 # -- JAX's distributed runtime, from torch's --------------------------------------------------

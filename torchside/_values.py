@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 import jax
 import torch
 
+from flaxside.internal import WriteBack
+
 jtu = jax.tree_util
 
 AUTOCAST_MODES = ("outputs", "inputs", "off")
@@ -165,6 +167,30 @@ class Signature(NamedTuple):
     mode: Hashable
     x64: bool
     exchange: Any
+
+
+class _Apply:
+    """A function of arrays in an owner's apply contract: no state, no updates.
+
+    Picklable when ``fn`` is.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, _mode):
+        return self.apply
+
+    def apply(self, _state, *args, **kwargs):
+        return self.fn(*args, **kwargs), [], WriteBack()
+
+
+_NO_STATE = jtu.tree_structure(((), None))
+
+
+def function_settings(where: str, fn: Callable, order: int = 1) -> Settings:
+    """The ``Settings`` of an owner of a plain JAX function (no variables, no RNG)."""
+    return Settings(where, _NO_STATE, (), _Apply(fn), None, order)
 
 
 def arg_names(treedef) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 import bridge
 from torchside import _errors
@@ -68,21 +69,173 @@ def attach_variables(root: torch.nn.Module, names, is_param, values, device: tor
     return tuple(refs), tuple(scopes)
 
 
-def assign(tensor: torch.Tensor, value, name: str, local: bool = False) -> None:
-    """Copies a JAX value into a variable's tensor in place (a DTensor's own shard only).
+def assign(tensor: torch.Tensor, value, name: str) -> None:
+    """Copies a JAX value into a variable's tensor in place (a DTensor: its own shard).
 
-    ``local``: ``value`` is already this rank's shard (a sharded module's own init).
+    Every rank computed the same full value; each keeps the shard its placements give it,
+    without communication.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    value = jax.device_put(value, bridge.jax_device(tensor.device, name=name))
-    source = bridge.to_torch(value, name=name)
-    if local and isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    elif isinstance(tensor, DTensor):
-        # Every rank computed the same full value; each keeps the shard its placements
-        # give it, without communication.
+    source = _to_torch(tensor, value, name)
+    if isinstance(tensor, DTensor):
         source = distribute_tensor(source, tensor.device_mesh, tensor.placements,
                                    src_data_rank=None).to_local()
         tensor = tensor.to_local()
     tensor.copy_(source)
+
+
+def assign_shard(tensor: torch.Tensor, value, name: str) -> None:
+    """Copies this rank's shard of a variable, computed as such, into its tensor in place."""
+    from torch.distributed.tensor import DTensor
+
+    source = _to_torch(tensor, value, name)
+    (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(source)
+
+
+def _to_torch(tensor: torch.Tensor, value, name: str) -> torch.Tensor:
+    return bridge.to_torch(jax.device_put(value, bridge.jax_device(tensor.device, name=name)),
+                           name=name)
+
+
+class FlaxVariables:
+    """What a ``FlaxModule`` offers for its Flax variables (mixed into it).
+
+    Zero-copy views as Flax state, loading Flax state, running the init again, and the
+    internal API through which ``torchside.shard`` shards the module. It reads the
+    module's adapter (``_adapter``), variable references (``_refs``), initializer and
+    caller.
+    """
+
+    @property
+    def flax_module(self):
+        """The Flax module: the Linen module given, or an NNX module over torch's state.
+
+        For NNX it is merged from the current parameters and buffers (zero-copy views), in
+        the graph and train/eval mode a call would use; the module given to the constructor
+        is not kept (its arrays would be a second copy of every parameter).
+        """
+        if not self._nnx:
+            return self._linen
+        from flax import nnx
+
+        model = nnx.merge(self._graph.graphdef, *self.flax_variables())
+        model.train() if self.training else model.eval()
+        return model
+
+    # -- moving weights between worlds --------------------------------------------------
+    def flax_variables(self):
+        """The current parameters and buffers as Flax state (zero-copy views).
+
+        Linen: the variables dict (``{"params": ..., "batch_stats": ...}``). NNX: a
+        ``(params, rest)`` pair of ``nnx.State`` to pass to ``nnx.merge(graphdef, ...)``.
+        Key-typed state comes back as typed keys and unsigned state in its own dtype (torch
+        holds them as raw int32 data); other arrays share memory with the torch tensors.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> m = FlaxModule(nn.Dense(3), example_args=(torch.zeros(1, 2),))
+            >>> m.flax_variables()["params"]["kernel"].shape
+            (2, 3)
+        """
+        return self._adapter.variables(
+            [bridge.to_jax(t.detach(), name=n) for t, n in
+             zip(self._current_tensors(), self._adapter.names, strict=True)]
+        )
+
+    def load_flax_variables(self, variables) -> None:
+        """Copies Flax variables (same structure as ``flax_variables()``) into the module.
+
+        Raises:
+            ValueError: the structure differs, or a leaf's shape differs (names the path).
+        """
+        leaves = self._adapter.leaf_values(variables)
+        targets = self._current_tensors()
+        for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
+            if tuple(leaf.shape) != tuple(t.shape):
+                raise _errors.flax_shape(name, tuple(leaf.shape), tuple(t.shape))
+        with torch.no_grad():
+            for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
+                assign(t, leaf, name)
+
+    def reset_parameters(self) -> None:
+        """Computes the initial parameters and buffers again, in place, with the module's seed.
+
+        The values equal those of a module built directly with the same arguments, bit for
+        bit (a Linen module's init runs on zeros shaped like ``example_args``: see
+        ``_initializer.py``), computed on the device the variables are on. This is the
+        deferred-init recipe of PyTorch and FSDP2: build under ``torch.device("meta")``
+        (nothing is allocated), shard, ``to_empty(device=...)``, then ``reset_parameters()``
+        on every module that has it. Parameters sharded as DTensors (FSDP2) get their own
+        shard of the values.
+
+        Raises:
+            RuntimeError: the variables are still on the meta device (call ``to_empty``
+                first), or the module was built from ``variables=`` or an NNX module
+                instance, whose init cannot be run again.
+        """
+        where = self._caller.where
+        if self._initializer is None:
+            raise _errors.no_initializer(where, self._nnx)
+        targets = self._current_tensors()
+        device = next((t.device for t in targets), torch.device("cpu"))
+        if device.type == "meta":
+            raise _errors.reset_on_meta(where)
+        plan = self._caller.plan
+        if plan is not None:  # each rank computes its own shards only
+            shardings = [plan.sharding(t.dim(), d) for d, t in zip(plan.dims, targets,
+                                                                    strict=True)]
+            values = self._initializer.sharded_values(
+                self._adapter.treedef.unflatten(shardings))
+            leaves = [x.addressable_data(0) for x in self._adapter.leaf_values(values)]
+        else:
+            values = self._initializer.values(device)
+            if self._nnx:
+                from flax import nnx
+
+                values = nnx.split(values, nnx.Param, ...)[1:]
+            leaves = self._adapter.leaf_values(values)
+        put = assign if plan is None else assign_shard
+        with torch.no_grad():
+            for name, t, leaf in zip(self._adapter.names, targets, leaves, strict=True):
+                put(t, leaf, name)
+
+    # -- sharded over torch's ranks (internal API of ``torchside.shard``) ----------------
+    @property
+    def _where(self) -> str:
+        """The module's name in messages (``FlaxModule(Block)``)."""
+        return self._caller.where
+
+    def _local_shards(self, variables: list) -> list:
+        """A sharded module's variables as a call reads them: each DTensor's local shard.
+
+        ``to_local()``'s backward makes the local gradient a DTensor with the parameter's
+        placements (NOTE [Sharded blocks] in ``_shard.py``).
+        """
+        if torch._C._are_functorch_transforms_active() or _fwAD._current_level >= 0:
+            raise _errors.sharded_under_transform(self._caller.where)
+        from torch.distributed.tensor import DTensor
+
+        return [v.to_local() if isinstance(v, DTensor) else v for v in variables]
+
+    def _shard_targets(self, axis_rules=None) -> list[tuple]:
+        """Per variable ``(tensor, is_param, partition names)``, for ``torchside.shard``.
+
+        The partition names are what Flax's partitioning metadata gives its dimensions
+        (``None`` without metadata).
+
+        Raises:
+            ValueError: the module is already sharded.
+        """
+        if self._caller.plan is not None:
+            raise _errors.already_sharded(self._caller.where)
+        names = self._adapter.partition_names(axis_rules)
+        return [((scope._parameters if p else scope._buffers)[name], p, n)
+                for (scope, name, p), n in zip(self._refs, names, strict=True)]
+
+    def _shard_with(self, plan, parameters: dict) -> None:
+        """Makes parameter ``i`` ``parameters[i]`` (a DTensor); calls then run over ``plan``."""
+        for i, value in parameters.items():
+            scope, name, _ = self._refs[i]
+            scope._parameters[name] = value
+        self._caller.place(plan)

@@ -320,7 +320,7 @@ def test_programs_are_compiled_for_the_tensors_device():
     f(x).sum().backward()
     loss(x).backward()
     programs = [p for owner in (m, f, loss) for p in pipeline.programs(owner)]
-    assert len(programs) == 4 and all(p.device == RIGHT for p in programs)
+    assert len(programs) == 4 and all(p.placement.device == RIGHT for p in programs)
     ran = [run for owner in (m, f, loss) for run in pipeline.executables_run(owner)]
     assert {kind for _, kind, _ in ran} == {"forward", "forward_with_residuals", "backward",
                                             "backward_recompute", "value_and_grad"}
@@ -354,5 +354,5 @@ def test_second_derivatives_and_torch_func_run_on_the_tensors_device():
     assert got.device == TORCH
     _close(got, per_row, "vmap(grad)")
     programs = pipeline.derived_programs(f)
-    assert programs and all(p.device == RIGHT for p in programs)
+    assert programs and all(p.placement.device == RIGHT for p in programs)
     watch.check()

@@ -75,5 +75,7 @@ def variables_from(module, values: list):
 def derived_programs(owner) -> list:
     """The programs of the calls derived from the owner's (NOTE [Higher order]: a
     backward differentiated again, torch.func's vmap), in entry order."""
-    return [e.program for entry in entries(owner) for caller in entry.derived.values()
-            for e in caller.entries]
+    from torchside._higher import derived_owners
+
+    return [e.program for entry in entries(owner) for derived in derived_owners(entry)
+            for e in entries(derived)]

@@ -1,0 +1,15 @@
+"""The edges above the first-order pipeline, as every owner hands them to its ``Caller``.
+
+The first-order files (``_call.py``, ``_entry.py``, ``_build.py``) never import the
+``torch.compile`` edge or the layer of derivatives; an owner (``FlaxModule``,
+``jax_function``) passes ``EDGES`` to its ``Caller``, and the pipeline calls up through
+it (NOTE [Call path] in ``_call.py``).
+"""
+
+from __future__ import annotations
+
+from torchside._compile import compiled_call
+from torchside._higher import differentiate, transformed
+from torchside._values import Edges
+
+EDGES = Edges(compiled=compiled_call, transformed=transformed, differentiate=differentiate)
