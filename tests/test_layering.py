@@ -1,7 +1,14 @@
-"""The package direction torchside -> bridge, flaxside holds: checked in fresh interpreters."""
+"""The layering holds: package direction, no import circle, derivatives above first order.
 
+The direction torchside -> bridge, flaxside is checked in fresh interpreters; import
+circles (function-level imports included) and the first-order pipeline's independence
+from the layers above it are read from the source.
+"""
+
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,3 +22,80 @@ def test_package_does_not_import(package, forbidden):
     code = f"import sys, {package}; print({forbidden!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+# -- import circles and the layer of derivatives ------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("bridge", "flaxside", "torchside")
+# The first-order pipeline (NOTE [Call path] in torchside/_call.py) and what sits above it:
+# the torch.compile edge and the layer of derivatives, reached only through the Edges an
+# owner hands its Caller.
+FIRST_ORDER = ("torchside._call", "torchside._entry", "torchside._build", "torchside._values")
+ABOVE = ("torchside._compile", "torchside._higher", "torchside._edges")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, known: set) -> set:
+    """The library modules ``path`` imports, at any level (function bodies included).
+
+    ``from package import name`` counts as importing the submodule ``package.name`` where
+    one exists; a top-level package itself is left out (its ``__init__`` only re-exports).
+    """
+    me = _module(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0], base]))
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != me and "." in name:
+                found.add(name)
+    return found
+
+
+def _graph() -> dict:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    known = {_module(p) for p in files}
+    return {_module(p): _imports(p, known) for p in files}
+
+
+def _reach(graph: dict, start: str) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_no_import_circle_among_the_packages():
+    graph = _graph()
+    circles = sorted(m for m in graph if m in _reach(graph, m))
+    assert not circles, f"modules that import themselves through others: {circles}"
+
+
+def test_the_first_order_pipeline_does_not_import_what_sits_above_it():
+    graph = _graph()
+    for module in FIRST_ORDER:
+        above = _reach(graph, module) & set(ABOVE)
+        assert not above, f"{module} imports {sorted(above)}"
+
+
+def test_the_checks_above_can_fail():
+    """The two checks above, on made-up graphs: a circle and an upward import are found."""
+    graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": set()}
+    assert sorted(m for m in graph if m in _reach(graph, m)) == ["a.x", "a.y", "a.z"]
+    assert "a.z" in _reach(graph, "a.x") and not _reach(graph, "a.w")

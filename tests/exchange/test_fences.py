@@ -3,10 +3,12 @@
 On the DLPack route (CUDA, or the CPU with ``FLAXTORCH_EXCHANGE=dlpack``, which makes the
 same calls) each program run imports one fence tensor from torch's current stream, runs,
 and exports its results to torch's stream (NOTE [Exchange] in ``bridge/_exchange.py``).
-``bridge.internal.record_ordering`` logs each step from inside the ``__dlpack__`` call
-that makes it, with the stream the consumer passed, so a fence imported once and
-reused, or an import without a stream, is missing from the log. Each test runs on the
-forced route on the CPU and, with the ``gpu`` marker, on CUDA.
+Every call makes those exports through the same observed wrappers, log or no log;
+``bridge.internal.record_ordering`` only collects what they record, from inside the
+``__dlpack__`` call that makes each step, with the stream the consumer passed. So a fence
+imported once and reused, or an import without a stream, is missing from the log of an
+ordinary call. Each test runs on the forced route on the CPU and, with the ``gpu`` marker,
+on CUDA.
 """
 
 import re
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 import bridge
+from bridge import _exchange as bridge_exchange
 from tests.support import pipeline
 from tests.support.closeness import ALL_ROUTES, close, route_fixture
 from torchside import FlaxModule
@@ -155,6 +158,19 @@ def test_compiled_graph_runs_are_fenced_like_eager_ones(route):
     assert _fenced_right_before_each_run(log)
 
 
+def test_a_compiled_first_call_fences_with_a_real_tensor(route):
+    """Catches a fence made while Dynamo traces the first call of a device's exchange:
+    the op's fake implementation runs under fake mode, where a new tensor is fake, and a
+    fake fence has no memory to export when the compiled graph runs."""
+    device = route
+    bridge_exchange._exchange.cache_clear()  # this device's exchange is made anew below
+    m = FlaxModule(MLP(8), example_args=(torch.zeros(2, 8),)).to(device)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        y = torch.compile(m, fullgraph=True)(x)  # the first call anything makes
+        close(y, m(x), "compiled against eager")
+
+
 def test_the_dlpack_route_holds_parameters_zero_copy():
     previous = bridge.set_exchange_mode("dlpack")
     try:
@@ -208,13 +224,15 @@ def test_a_call_with_no_tensor_argument_is_ordered_by_its_fence_alone(route):
             torch.cuda._sleep(100_000_000)  # torch's stream busy: the write below waits
         with torch.no_grad():
             w.copy_(new)
+            y = m()  # no log open: the ordinary call
+        close(y, _no_arguments_reference(new), f"output after write {step}", wrong=[old])
+        # The same call with a log open: one fence, imported for this run from torch's
+        # stream, and nothing else imported.
         with bridge.internal.record_ordering() as log, torch.no_grad():
-            y = m()
-        # One fence, imported for this run from torch's stream, and nothing else imported.
+            m()
         assert [(e.kind, e.detail if e.kind == "run" else None) for e in _events(log)] == [
             ("torch->jax", None), ("run", "forward"), ("jax->torch", None)], step
         assert (_events(log)[0].detail[0] is not None) == (device == "cuda")
-        close(y, _no_arguments_reference(new), f"output after write {step}", wrong=[old])
     # The executable takes the fence as a parameter: it survived lowering.
     ((_, kind, compiled),) = pipeline.executables_run(m)
     assert kind == "forward"
