@@ -15,7 +15,7 @@
 * ``ranks`` runs the worker scripts ``ddp_worker``, ``fsdp2_worker``,
   ``deferred_init_worker`` and ``lightning_worker`` as separate processes;
   ``loss_inside`` builds the model the DDP and FSDP2 workers train with its loss inside
-  one FlaxModule.
+  one FlaxModule, and takes the SGD steps both workers train with.
 """
 
 import os
