@@ -123,6 +123,17 @@ class ReadmeDeep(nn.Module):
         return stack(self.width, name="stack")(x)
 
 
+class TanhMLP(nn.Module):
+    """``Dense(out)(tanh(Dense(hidden)(x)))``: two parameter scopes, ``Dense_0`` and ``Dense_1``."""
+
+    hidden: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.out)(jnp.tanh(nn.Dense(self.hidden)(x)))
+
+
 class BatchNormMLP(nn.Module):
     """``Dense(6) -> BatchNorm -> tanh -> Dense(3)``: Linen state (batch statistics) that a
     train-mode call updates and FlaxModule writes back into torch buffers."""
