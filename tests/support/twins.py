@@ -83,19 +83,6 @@ class ScanStack(nn.Module):
         return _scanned(ResidualMLPBlock(self.width, self.dtype, name="stack"), self.depth, x)
 
 
-class StockRematScanStack(nn.Module):
-    """``nn.remat_scan(ResidualMLPBlock)`` as documented: the innermost loop is not remat'd."""
-
-    width: int
-    lengths: tuple[int, ...]
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        stack = nn.remat_scan(ResidualMLPBlock, lengths=self.lengths)
-        return stack(self.width, self.dtype, name="stack")(x)
-
-
 class ReadmeBlock(nn.Module):
     """The README's ``Block``: ``ResidualMLPBlock`` at Flax's defaults.
 
