@@ -110,8 +110,9 @@ def test_complex_sgd_follows_the_torch_twin():
         ((xs * w_twin - t).abs() ** 2).mean().backward()
         opt_twin.step()
     w = m.get_parameter("params.w").detach()
-    # Two libraries, 50 steps: the tolerance scales with the size of the weight.
-    scale = max(1.0, w_twin.abs().max().item())
+    # Two libraries, 50 steps: the tolerance scales with the size of the weight (no floor:
+    # the weight is never near zero, it converges to 1.5 - 0.7j, asserted below).
+    scale = w_twin.abs().max().item()
     torch.testing.assert_close(w, w_twin.detach(), rtol=1e-4, atol=1e-4 * scale)
     assert abs(w.item() - (1.5 - 0.7j)) < 0.05  # and it converged
 

@@ -16,7 +16,7 @@ import torch.autograd.forward_ad as fwAD
 from flax import nnx
 
 from tests.support.references import to_jax
-from tests.support.twins import BatchNormMLP, NnxDropoutMLP
+from tests.support.twins import BatchNormMLP, NnxDropoutMLP, TanhMLP
 from torchside import FlaxModule, jax_function
 
 
@@ -79,15 +79,9 @@ def test_vmap_maps_in_dims_onto_the_program(layer):
            "in_dims=1, out_dims=2")
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(2)(jnp.tanh(nn.Dense(8)(x)))
-
-
 def test_per_sample_gradients_equal_a_loop_over_samples():
     """Opacus's route for a layer it has no rule for: vmap(grad(functional_call))."""
-    m = FlaxModule(MLP(), example_args=(torch.zeros(1, 3),))
+    m = FlaxModule(TanhMLP(8, 2), example_args=(torch.zeros(1, 3),))
     params = {k: v.detach() for k, v in m.named_parameters()}
     xs, ys = torch.randn(6, 3), torch.randn(6, 2)
 
@@ -103,7 +97,8 @@ def test_per_sample_gradients_equal_a_loop_over_samples():
 
 
 def test_an_ensemble_of_modules_under_vmap_equals_each_module():
-    models = [FlaxModule(MLP(), example_args=(torch.zeros(1, 3),), seed=s) for s in range(3)]
+    models = [FlaxModule(TanhMLP(8, 2), example_args=(torch.zeros(1, 3),), seed=s)
+              for s in range(3)]
     params, buffers = torch.func.stack_module_state(models)
     x = torch.randn(4, 3)
 

@@ -6,14 +6,13 @@ brainstate is the optional extra ``flaxtorch[brainstate]``; without it these tes
 (``importorskip`` inside each test, so the coverage table still sees their tags).
 """
 
-import functools as ft
-
 import jax
 import jax.numpy as jnp
 import pytest
 import torch
 
 from tests.support.corpus_helpers import check_function, covers
+from tests.support.docstring_models import deep_checkpointed, deep_plain
 
 NOTE = "run with brainstate 0.5.4; skips without the optional brainstate extra"
 
@@ -72,27 +71,6 @@ def test_brainstate_static_argnums(is_training):
         note=NOTE)
 def test_brainstate_recursive():
     bs = _brainstate()
-
-    def recursive_checkpoint(funs):
-        if len(funs) == 1:
-            return funs[0]
-        if len(funs) == 2:
-            f1, f2 = funs
-            return lambda x: f1(f2(x))
-        f1 = recursive_checkpoint(funs[: len(funs) // 2])
-        f2 = recursive_checkpoint(funs[len(funs) // 2:])
-        return lambda x: f1(bs.transform.checkpoint(f2)(x))
-
-    def layer(w, x):
-        return jnp.tanh(x @ w)
-
-    def deep(x, ws):
-        return recursive_checkpoint([ft.partial(layer, w) for w in ws])(x)
-
-    def deep_plain(x, ws):
-        for w in reversed(ws):
-            x = layer(w, x)
-        return x
-
     ws = [torch.randn(4, 4) / 2 for _ in range(5)]
-    check_function(deep, (torch.randn(3, 4), ws), reference=deep_plain)
+    check_function(deep_checkpointed(bs.transform.checkpoint), (torch.randn(3, 4), ws),
+                   reference=deep_plain)

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tests.support import pipeline
 from tests.support.corpus_helpers import check_function, covers
+from tests.support.docstring_models import deep_checkpointed, deep_plain
 from torchside import jax_function
 
 P = jax.checkpoint_policies
@@ -164,33 +165,9 @@ def test_checkpoint_under_remat3(remat3, case):
         check_function(fn, _mlp_args(), reference=mlp)
 
 
-# jax.checkpoint docstring: recursive_checkpoint, a binary tree of checkpoints.
-def recursive_checkpoint(funs):
-    if len(funs) == 1:
-        return funs[0]
-    if len(funs) == 2:
-        f1, f2 = funs
-        return lambda x: f1(f2(x))
-    f1 = recursive_checkpoint(funs[: len(funs) // 2])
-    f2 = recursive_checkpoint(funs[len(funs) // 2:])
-    return lambda x: f1(jax.checkpoint(f2)(x))
-
-
-def layer(w, x):
-    return jnp.tanh(x @ w)
-
-
-def deep(x, ws):
-    return recursive_checkpoint([ft.partial(layer, w) for w in ws])(x)
-
-
-def deep_plain(x, ws):
-    for w in reversed(ws):  # recursive_checkpoint composes f1(f2(x)): the last runs first
-        x = layer(w, x)
-    return x
-
-
 @covers("jax.checkpoint", "recursive_checkpoint (docstring), 7 layers")
 def test_recursive_checkpoint():
     ws = [torch.randn(4, 4) / 2 for _ in range(7)]
-    check_function(deep, (torch.randn(3, 4), ws), reference=deep_plain)
+    # The docstring's recursive_checkpoint, shared with brainstate's copy of it.
+    check_function(deep_checkpointed(jax.checkpoint), (torch.randn(3, 4), ws),
+                   reference=deep_plain)

@@ -152,21 +152,29 @@ def test_while_loop_backward_raises_naming_while_loop():
         (y * torch.randn_like(y)).sum().backward()
 
 
+def _counted(mdl, signs: dict):
+    """The branches of the cond and switch docstrings, one per 'state' counter in ``signs``:
+    each adds one to its counter, then applies the one Dense they share, negated where the
+    sign is -1."""
+    for name in signs:
+        mdl.variable("state", name, lambda: 0)
+
+    def branch(name, sign):
+        def fn(mdl, x):
+            mdl.variable("state", name).value += 1
+            y = nn.Dense(2, name="dense")(x)
+            return -y if sign < 0 else y  # as the docstrings write it: no multiply
+
+        return fn
+
+    return [branch(name, sign) for name, sign in signs.items()]
+
+
 # flax.linen.cond docstring: CondExample, 'state' counts which branch ran.
 class CondExample(nn.Module):
     @nn.compact
     def __call__(self, x, pred):
-        self.variable("state", "true_count", lambda: 0)
-        self.variable("state", "false_count", lambda: 0)
-
-        def true_fn(mdl, x):
-            mdl.variable("state", "true_count").value += 1
-            return nn.Dense(2, name="dense")(x)
-
-        def false_fn(mdl, x):
-            mdl.variable("state", "false_count").value += 1
-            return -nn.Dense(2, name="dense")(x)
-
+        true_fn, false_fn = _counted(self, {"true_count": 1, "false_count": -1})
         return nn.cond(pred, true_fn, false_fn, self, x)
 
 
@@ -190,23 +198,8 @@ def test_cond_static_predicate():
 class SwitchExample(nn.Module):
     @nn.compact
     def __call__(self, x, index):
-        self.variable("state", "a_count", lambda: 0)
-        self.variable("state", "b_count", lambda: 0)
-        self.variable("state", "c_count", lambda: 0)
-
-        def a_fn(mdl, x):
-            mdl.variable("state", "a_count").value += 1
-            return nn.Dense(2, name="dense")(x)
-
-        def b_fn(mdl, x):
-            mdl.variable("state", "b_count").value += 1
-            return -nn.Dense(2, name="dense")(x)
-
-        def c_fn(mdl, x):
-            mdl.variable("state", "c_count").value += 1
-            return nn.Dense(2, name="dense")(x)
-
-        return nn.switch(index, [a_fn, b_fn, c_fn], self, x)
+        branches = _counted(self, {"a_count": 1, "b_count": -1, "c_count": 1})
+        return nn.switch(index, branches, self, x)
 
 
 @covers("nn.switch", "SwitchExample, index as an int32 tensor, 'state' counters updated")

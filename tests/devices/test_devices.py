@@ -19,6 +19,7 @@ import torch
 import bridge
 from bridge import _devices
 from tests.support import ROOT, subprocess_env
+from tests.support.twins import TanhMLP
 from torchside import FlaxModule, jax_function
 
 
@@ -97,14 +98,8 @@ def test_new_modules_follow_torchs_default_device():
 
 
 # -- tensors on devices the call does not run on ------------------------------------------
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(3)(nn.tanh(nn.Dense(4)(x)))
-
-
 def test_a_parameter_moved_behind_the_modules_back_is_refused_by_name():
-    m = FlaxModule(MLP(), example_args=(torch.zeros(2, 5),))
+    m = FlaxModule(TanhMLP(4, 3), example_args=(torch.zeros(2, 5),))
     x = torch.randn(2, 5)
     m(x).sum().backward()  # held arrays and a cached signature exist
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -116,12 +111,13 @@ def test_a_parameter_moved_behind_the_modules_back_is_refused_by_name():
     m.load_state_dict(before)
     after = m.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
-    torch.testing.assert_close(m(x), FlaxModule(MLP(), example_args=(torch.zeros(2, 5),))(x))
+    fresh = FlaxModule(TanhMLP(4, 3), example_args=(torch.zeros(2, 5),))
+    torch.testing.assert_close(m(x), fresh(x))
 
 
 def test_parameters_all_on_a_device_jax_cannot_reach_are_refused_by_name():
-    m = FlaxModule(MLP(), example_args=(torch.zeros(2, 5),)).to("meta")
-    with pytest.raises(ValueError, match=r"FlaxModule\(MLP\): argument 'params\.Dense_0\.bias' "
+    m = FlaxModule(TanhMLP(4, 3), example_args=(torch.zeros(2, 5),)).to("meta")
+    with pytest.raises(ValueError, match=r"FlaxModule\(TanhMLP\): argument 'params\.Dense_0\.bias' "
                                          r"is on meta, which holds shapes but no values"):
         m(torch.randn(2, 5, device="meta"))
 
@@ -136,7 +132,7 @@ def test_jax_function_arguments_on_two_devices_are_refused_by_name():
 
 
 def test_a_saved_tensor_hook_that_moves_tensors_away_is_refused():
-    m = FlaxModule(MLP(), example_args=(torch.zeros(2, 5),))
+    m = FlaxModule(TanhMLP(4, 3), example_args=(torch.zeros(2, 5),))
     x = torch.randn(2, 5, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t,
                                                   lambda t: torch.empty_like(t, device="meta")):

@@ -97,11 +97,14 @@ def test_cuda_round_trip_is_zero_copy():
     assert bridge.to_torch(a).data_ptr() == t.data_ptr()
 
 
-class _Loss(nn.Module):
-    """A scalar output: the fused route, whose gradients torch takes as ``.grad``."""
+class _HeldLoss(nn.Module):
+    """A scalar loss (the fused route, whose gradient buffers torch takes as ``.grad``) of
+    an input kept as a parameter: a call with no tensor argument, so nothing is imported
+    per call and only the call's fence orders its program after torch's queued work."""
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self):
+        x = self.param("x", nn.initializers.normal(1.0), (64, 2048))
         return jnp.mean(jnp.tanh(nn.Dense(2048)(x)) ** 2)
 
 
@@ -109,22 +112,33 @@ def test_dropped_gradients_from_jax_are_not_reused_before_torch_reads_them():
     """The fused route hands JAX's gradient buffers to torch as ``.grad``. Dropping them
     (``zero_grad``) returns their memory to JAX's pool at once, while torch's reads of them
     may still wait on its stream; the next call's program, which may reuse that memory,
-    must not write it before they run: the call's fence orders it after all torch queued.
+    must not write it before they run. The call takes no tensor argument (checked: it
+    imports nothing), so only its fence orders the program after all torch queued.
     """
-    m = FlaxModule(_Loss(), example_args=(torch.zeros(64, 2048),)).cuda()
-    for _ in range(3):
-        m(torch.randn(64, 2048, device="cuda")).backward()
+    m = FlaxModule(_HeldLoss()).cuda()
+    x = dict(m.named_parameters())["params.x"]
+    for step in range(3):
+        m().backward()
         grads = [p.grad for p in m.parameters()]
         torch.cuda.synchronize()
         expected = [g.clone() for g in grads]
+        with torch.no_grad():
+            x.normal_()  # the next gradients differ, so a write over these would show
+        # Finished before the wait below: the next call reads the new input, fenced or not.
+        torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # keeps torch's stream busy: the reads below wait
         late = [g * 1 for g in grads]
         del grads
         m.zero_grad()  # the last references: JAX may hand the memory out again
-        m(torch.randn(64, 2048, device="cuda")).backward()  # allocates as much again
+        with bridge.internal.record_ordering() as log:
+            loss = m()  # allocates as much again; no import orders it, only the fence
+        assert not [e for e in log if e.kind == "import"], step
+        loss.backward()
         torch.cuda.synchronize()
-        for got, want in zip(late, expected, strict=True):
-            assert torch.equal(got, want)
+        for k, (got, want, new) in enumerate(
+                zip(late, expected, (p.grad for p in m.parameters()), strict=True)):
+            assert not torch.equal(new, want), (step, k)  # an early write would change got
+            assert torch.equal(got, want), (step, k)
         m.zero_grad()
 
 

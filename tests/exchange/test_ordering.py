@@ -10,9 +10,11 @@ of the current values; each comparison also checks that the wrong answer the bug
 give (a stale parameter, an overwritten input, a skipped accumulation) fails it.
 ``test_fences.py`` checks the recorded steps of the DLPack route.
 
-On CUDA each test names the race it catches: the module's own inputs are imported by
-DLPack per call, an ordering of their own, so the tests that reach the fence alone
-write to memory the module holds (parameters) or reads late (outputs, gradients).
+On CUDA each test names the race it catches. A tensor argument is imported by DLPack per
+call, which by itself orders JAX's reads of it after torch's stream, so the test of the
+fence calls a module with no tensor argument (its input is a parameter, held like the
+others); the other tests check memory that JAX writes or reads and torch touches next
+(outputs, inputs, gradients), which the export of the results orders.
 """
 
 import flax.linen as nn
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import traverse_util
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
@@ -53,45 +56,65 @@ def _busy(device: str) -> None:
             a = a @ a / 2048**0.5
 
 
-def _reference(module: FlaxModule, x: torch.Tensor, ct: torch.Tensor, params=None):
+def _reference(module: FlaxModule, x: torch.Tensor | None, ct: torch.Tensor, params=None):
     """Output and every gradient by jax.vjp of pure Flax on the CPU, from copies of the
-    current values (or of ``params``, name -> tensor)."""
+    current values (or of ``params``, name -> tensor). ``x=None``: a call with no argument
+    (the gradient of ``x`` is then ``None``)."""
     named = dict(module.named_parameters()) if params is None else params
     names = [n for n, _ in module.named_parameters()]
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         values = [jnp.asarray(named[n].detach().cpu().numpy()) for n in names]
+        args = () if x is None else (jnp.asarray(x.detach().cpu().numpy()),)
 
-        def f(vs, x):
-            return module.flax_module.apply(pipeline.variables_from(module, vs), x)
+        def f(vs, *args):
+            # Flax's variables rebuilt from torch's dotted names, not by the bridge's order.
+            variables = traverse_util.unflatten_dict(dict(zip(names, vs, strict=True)), sep=".")
+            return module.flax_module.apply(variables, *args)
 
-        y, pull = jax.vjp(f, values, jnp.asarray(x.detach().cpu().numpy()))
-        g_params, g_x = pull(jnp.asarray(ct.float().cpu().numpy()))
+        y, pull = jax.vjp(f, values, *args)
+        g_params, *g_x = pull(jnp.asarray(ct.float().cpu().numpy()))
     return (np.asarray(y), dict(zip(names, map(np.asarray, g_params), strict=True)),
-            np.asarray(g_x))
+            np.asarray(g_x[0]) if g_x else None)
+
+
+class HeldInput(nn.Module):
+    """The MLP on an input it keeps as a parameter: a call with no tensor argument, so every
+    array it reads is held and nothing is imported per call (NOTE [Exchange])."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self):
+        x = self.param("x", nn.initializers.normal(1.0), (8, self.width))
+        return MLP(self.width)(x)
 
 
 def test_optimizer_step_on_torchs_stream_is_seen_by_the_next_forward(route):
     """Catches a call that reads a parameter before the optimizer's queued step wrote it.
 
-    On CUDA the step is queued behind slow work on torch's stream, and the parameters are
-    held arrays (not imported per call): only the call's fence orders JAX's read after
-    the step. A stale read gives the previous step's values: the negative control.
+    The call takes no tensor argument (its input is a parameter too), so every array it
+    reads is held, imported once and never per call (checked: the call imports nothing).
+    On CUDA the step is queued behind slow work on torch's stream, and only the call's
+    fence orders JAX's reads after it. A stale read gives the previous step's values: the
+    negative control.
     """
     width = _width(route)
     torch.manual_seed(0)
-    m = FlaxModule(MLP(width), example_args=(torch.zeros(8, width),)).to(route)
+    m = FlaxModule(HeldInput(width)).to(route)
     opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
     before = None
     for step in range(3):
-        x = torch.randn(8, width, device=route, requires_grad=True)
+        with bridge.internal.record_ordering() as log:
+            y = m()  # right after the queued step: nothing but the fence orders the reads
+        # No per-call import that would order JAX after torch's stream in the fence's place.
+        imports = [e for e in log if e.kind == "import"]
+        assert not imports, (step, imports)
         ct = torch.randn(8, width, device=route)
-        y = m(x)
         y.backward(ct)
-        want_y, want_g, want_gx = _reference(m, x, ct)
-        stale = [] if before is None else [_reference(m, x, ct, before)[0]]
+        want_y, want_g, _ = _reference(m, None, ct)
+        stale = [] if before is None else [_reference(m, None, ct, before)[0]]
         close(y, want_y, f"output, step {step}", wrong=stale)
-        close(x.grad, want_gx, f"x.grad, step {step}")
         for name, p in m.named_parameters():
             close(p.grad, want_g[name], f"{name}.grad, step {step}")
         if step == 0:
@@ -100,9 +123,9 @@ def test_optimizer_step_on_torchs_stream_is_seen_by_the_next_forward(route):
         _busy(route)
         opt.step()  # in place, on torch's stream, into the memory JAX holds arrays over
         opt.zero_grad()
-    # The same held arrays in every call: reused, not imported again per call.
+    # The same held arrays in every call, the input's included: reused, never imported again.
     now = pipeline.held_arrays(m)
-    assert len(now) == 4 and all(a is b for a, b in zip(held, now, strict=True))
+    assert len(now) == 5 and all(a is b for a, b in zip(held, now, strict=True))
 
 
 def test_a_write_to_an_output_right_after_the_call_is_not_overwritten(route):

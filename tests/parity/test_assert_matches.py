@@ -108,22 +108,18 @@ class _TorchBlockNoInputGrad(_TorchBlockNoBiasGrad):
         return x.detach() + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def test_gradient_only_mismatch_names_the_parameter(example_pair):
+@pytest.mark.parametrize("cls, name, head", [
+    (_TorchBlockNoBiasGrad, "grad of params.up.bias", "(float32[32] <- up.bias)"),
+    (_TorchBlockNoInputGrad, "grad of input[0]", "(float32[4, 8])"),
+], ids=["parameter", "input"])
+def test_gradient_only_mismatch_names_the_tensor(example_pair, cls, name, head):
+    """Outputs match and one gradient differs: the error names that parameter or input."""
     ours, _, mapping, x = example_pair
-    reference = _reference(example_pair, _TorchBlockNoBiasGrad)
+    reference = _reference(example_pair, cls)
     with pytest.raises(ParityError) as info:
         assert_matches(ours, reference, x, mapping=mapping)
-    assert info.value.name == "grad of params.up.bias"
-    assert str(info.value).startswith(
-        "assert_matches: grad of params.up.bias (float32[32] <- up.bias)")
-
-
-def test_input_gradient_mismatch_names_the_input(example_pair):
-    ours, _, mapping, x = example_pair
-    reference = _reference(example_pair, _TorchBlockNoInputGrad)
-    with pytest.raises(ParityError) as info:
-        assert_matches(ours, reference, x, mapping=mapping)
-    assert info.value.name == "grad of input[0]"
+    assert info.value.name == name
+    assert str(info.value).startswith(f"assert_matches: {name} {head}")
 
 
 def test_float64_catches_an_epsilon_that_float32_can_miss():
@@ -188,16 +184,20 @@ def test_mapping_that_misses_a_parameter_is_refused(example_pair):
         assert_matches(ours, _reference(example_pair), x, mapping=partial)
 
 
-def test_output_structure_must_match():
-    class Pair(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(3, 3)
+class _Linear(torch.nn.Module):
+    """One square ``torch.nn.Linear`` named ``lin``; each test's subclass gives ``forward``."""
 
+    def __init__(self, n: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+
+
+def test_output_structure_must_match():
+    class Pair(_Linear):
         def forward(self, x):
             return self.lin(x), x * 2
 
-    one = Pair()
+    one = Pair(3)
     two = copy.deepcopy(one)
     two.forward = lambda x: two.lin(x)
     with pytest.raises(ValueError, match="ours returns 2 tensor"):
@@ -225,16 +225,12 @@ def test_tolerances_follow_the_dtype(dtype, delta, fails):
 
 
 def test_numerically_zero_reference_is_left_out_of_the_relative_error():
-    class Centered(torch.nn.Module):  # the bias gradient is exactly zero in exact arithmetic
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
+    class Centered(_Linear):  # the bias gradient is exactly zero in exact arithmetic
         def forward(self, x):
             y = self.lin(x)
             return y - y.mean(0, keepdim=True)
 
-    ours = Centered()
+    ours = Centered(4)
     reference = copy.deepcopy(ours)
     report = assert_matches(ours, reference, torch.randn(3, 4))
     bias = next(r for r in report.rows if r.name == "grad of lin.bias")
@@ -243,17 +239,13 @@ def test_numerically_zero_reference_is_left_out_of_the_relative_error():
 
 
 def test_integer_outputs_must_be_equal():
-    class WithArgmax(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(3, 3)
-
+    class WithArgmax(_Linear):
         def forward(self, x):
             y = self.lin(x)
             return y, y.argmax(-1)
 
     torch.manual_seed(0)
-    ours = WithArgmax()
+    ours = WithArgmax(3)
     reference = copy.deepcopy(ours)
     x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
     report = assert_matches(ours, reference, x)

@@ -4,7 +4,8 @@
   several test files share, and the parity suite's registry of twins;
 * ``references``: conversions to compare with pure JAX, and a pure-NNX training step;
 * ``stacks``: sizes, data and unrolled references of the ``remat_stack`` tests;
-* ``docstring_models``: Flax docstring models that more than one test file runs;
+* ``docstring_models``: Flax's and ``jax.checkpoint``'s docstring examples that more than
+  one test file runs;
 * ``corpus_helpers``: runs a module or function through the bridge and as pure JAX, and
   tags the corpus tests for the coverage table (``docs/coverage.md``);
 * ``pipeline``: the only module that reads the call pipeline's internals;
@@ -14,7 +15,7 @@
 * ``ranks`` runs the worker scripts ``ddp_worker``, ``fsdp2_worker``,
   ``deferred_init_worker`` and ``lightning_worker`` as separate processes;
   ``loss_inside`` builds the model the DDP and FSDP2 workers train with its loss inside
-  one FlaxModule.
+  one FlaxModule, and takes the SGD steps both workers train with.
 """
 
 import os

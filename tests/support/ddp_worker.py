@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tests.support.devices_env import apply_default_device  # noqa: E402
-from tests.support.loss_inside import save_routes, with_loss  # noqa: E402
+from tests.support.loss_inside import save_routes, sgd_steps, with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 16
@@ -49,20 +49,6 @@ def build():
     )
 
 
-def train(model, rank: int, world: int, device, loss_inside: bool) -> None:
-    gen = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        x = torch.randn(BATCH, 5, generator=gen)
-        y = torch.randn(BATCH, 2, generator=gen)
-        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        x, y = x[shard].to(device), y[shard].to(device)
-        loss = model(x, y) if loss_inside else torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
 def main(rank: int, world: int, port: int, out: str) -> None:
     # A stalled rank prints where every thread is and exits, instead of hanging the test.
     faulthandler.dump_traceback_later(240, exit=True)
@@ -80,7 +66,8 @@ def main(rank: int, world: int, port: int, out: str) -> None:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=loss_inside)
-        train(model, rank, world, device, loss_inside)
+        sgd_steps(model, rank, world, steps=STEPS, batch=BATCH, sizes=(5, 2),
+                  loss_inside=loss_inside, device=device)
         owner = model.module if world > 1 else model
         if loss_inside:
             save_routes(owner, f"{path}.routes.{rank}.json")

@@ -23,7 +23,7 @@ import flax.linen as nn  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.support.loss_inside import save_routes, with_loss  # noqa: E402
+from tests.support.loss_inside import save_routes, sgd_steps, with_loss  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 STEPS, BATCH = 3, 8
@@ -94,19 +94,8 @@ def train(kind: str, rank: int, world: int, out: str) -> tuple[dict, dict]:
             # its own unit: freed with storage.resize_(0) after use
             fully_shard(model[1], mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-    gen = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        x = torch.randn(BATCH, 4, generator=gen)
-        y = torch.randn(BATCH, 1, generator=gen)
-        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        if kind == "flax-loss":
-            loss = model(x[shard], y[shard])
-        else:
-            loss = torch.nn.functional.mse_loss(model(x[shard]).float(), y[shard])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    sgd_steps(model, rank, world, steps=STEPS, batch=BATCH, sizes=(4, 1),
+              loss_inside=kind == "flax-loss")
     if kind == "flax-loss":
         save_routes(model, f"{out}.{kind}{'-bf16' if bf16 else ''}.routes.{rank}.json")
     return initial, full_state(model)

@@ -46,6 +46,18 @@ class RematScanStack(nn.Module):
         return stack(self.width, self.dtype, name="stack")(x)
 
 
+def _scanned(block: nn.Module, depth: int, x):
+    """``block`` applied ``depth`` times by ``nn.scan``, its parameters stacked on axis 0."""
+    stack = nn.scan(
+        lambda mdl, c, _: (mdl(c), None),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=depth,
+    )
+    x, _ = stack(block, x, None)
+    return x
+
+
 class ScanRematStack(nn.Module):
     """``depth`` residual blocks with ``nn.scan`` over ``nn.remat``."""
 
@@ -56,14 +68,7 @@ class ScanRematStack(nn.Module):
     @nn.compact
     def __call__(self, x):
         body = nn.remat(ResidualMLPBlock)
-        stack = nn.scan(
-            lambda mdl, c, _: (mdl(c), None),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.depth,
-        )
-        x, _ = stack(body(self.width, self.dtype, name="stack"), x, None)
-        return x
+        return _scanned(body(self.width, self.dtype, name="stack"), self.depth, x)
 
 
 class ScanStack(nn.Module):
@@ -75,27 +80,7 @@ class ScanStack(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        stack = nn.scan(
-            lambda mdl, c, _: (mdl(c), None),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.depth,
-        )
-        x, _ = stack(ResidualMLPBlock(self.width, self.dtype, name="stack"), x, None)
-        return x
-
-
-class StockRematScanStack(nn.Module):
-    """``nn.remat_scan(ResidualMLPBlock)`` as documented: the innermost loop is not remat'd."""
-
-    width: int
-    lengths: tuple[int, ...]
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        stack = nn.remat_scan(ResidualMLPBlock, lengths=self.lengths)
-        return stack(self.width, self.dtype, name="stack")(x)
+        return _scanned(ResidualMLPBlock(self.width, self.dtype, name="stack"), self.depth, x)
 
 
 class ReadmeBlock(nn.Module):
@@ -123,6 +108,17 @@ class ReadmeDeep(nn.Module):
     def __call__(self, x):
         stack = nn.remat_scan(nn.remat(ReadmeBlock), lengths=self.lengths)
         return stack(self.width, name="stack")(x)
+
+
+class TanhMLP(nn.Module):
+    """``Dense(out)(tanh(Dense(hidden)(x)))``: two parameter scopes, ``Dense_0`` and ``Dense_1``."""
+
+    hidden: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.out)(jnp.tanh(nn.Dense(self.hidden)(x)))
 
 
 class BatchNormMLP(nn.Module):
