@@ -4,6 +4,19 @@ The user API is below. ``bridge.internal`` holds the exchange machinery a call o
 ``torchside`` uses (held arrays, per-call views, ordering, int64 narrowing); nothing there
 is stable. Importing this package keeps JAX from preallocating GPU memory beside torch
 (``configure_gpu_memory``).
+
+``EXCHANGE_MODES`` are the modes ``set_exchange_mode`` accepts: ``"auto"`` (pointer views
+on CPU, DLPack on CUDA; the default) and ``"dlpack"`` (DLPack everywhere, so that CUDA's
+route runs on a CPU); the environment variable ``FLAXTORCH_EXCHANGE`` sets the first.
+
+Example:
+    >>> import bridge
+    >>> bridge.EXCHANGE_MODES
+    ('auto', 'dlpack')
+    >>> previous = bridge.set_exchange_mode("dlpack")  # for calls compiled from now on
+    >>> bridge.exchange_mode(), previous in bridge.EXCHANGE_MODES
+    ('dlpack', True)
+    >>> _ = bridge.set_exchange_mode(previous)
 """
 
 from bridge import internal as internal

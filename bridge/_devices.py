@@ -38,6 +38,13 @@ def configure_gpu_memory() -> None:
     its GPU backend, so that JAX allocates what it uses, as torch's caching allocator does,
     instead of reserving 75% of the GPU at start-up. If that backend already started, warns
     once: the setting can no longer take effect.
+
+    Example:
+        >>> import os
+        >>> import bridge  # calls configure_gpu_memory() before JAX can start a GPU backend
+        >>> os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"]  # unless you had set it yourself
+        'false'
+        >>> bridge.configure_gpu_memory()  # again: nothing to do, the variable is set
     """
     missing = {k: v for k, v in _ALLOCATOR_VARS.items() if k not in os.environ}
     os.environ.update(missing)

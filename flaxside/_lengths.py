@@ -79,6 +79,20 @@ class LengthsChoice:
         lengths: the chosen loop lengths, outermost first.
         reason: one sentence saying why.
         table: ``(lengths, held_bytes, backward_temp_bytes, compile_seconds)`` per candidate.
+
+    Example:
+        >>> layer = lambda p, c, keys, i: c + jnp.tanh(c @ p)
+        >>> kernel = jax.ShapeDtypeStruct((4, 4), "float32")
+        >>> carry = jax.ShapeDtypeStruct((2, 4), "float32")
+        >>> choice = choose_stack_lengths(layer, kernel, carry, (), depth=4)
+        >>> [row[0] for row in choice.table]  # the candidates measured
+        [(4,), (2, 2)]
+        >>> print(choice)
+        lengths=...: least held + backward temp bytes (...) of 2 measured factorizations of
+        depth 4.
+        lengths                held   backward temp   compile
+        (4,)   ...
+        (2, 2) ...
     """
 
     lengths: tuple[int, ...]

@@ -47,6 +47,19 @@ class MemoryReport:
         compile_seconds: trace, lowering and compilation of both programs.
         residual_count: how many arrays make up ``held_bytes``.
         device: the device the compiled forward runs on (``cpu:0``, ``gpu:1``).
+
+    Example:
+        >>> x = jax.ShapeDtypeStruct((8, 3), np.float32)
+        >>> report = memory_report(nn.Dense(4), x)  # compiled, never run
+        >>> report.param_bytes, report.held_bytes  # 16 floats; the backward needs only x
+        (64, 0)
+        >>> print(report)  # "(cpu:0)": the device it was compiled for
+        MemoryReport (...)
+          held (residuals)          0 B   0 arrays
+          parameters               64 B
+          forward temp            ... B   XLA memory analysis
+          backward temp           ... B   XLA memory analysis
+          compile                ... s   forward + backward
     """
 
     held_bytes: int

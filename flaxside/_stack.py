@@ -34,6 +34,18 @@ class RematStack(nn.Module):
     axes ``lengths`` (``(depth,)`` for ``lengths="auto"``), named as ``nn.remat_scan``
     (one level: ``nn.scan``) would name them. Layer ``i`` draws from RNG stream ``name``
     with ``fold_in(make_rng(name), i)``, so a recomputation sees the same dropout masks.
+
+    Example:
+        >>> stack = remat_stack(nn.Dense, 4, lengths=(2, 2), features=3)
+        >>> isinstance(stack, RematStack), stack.depth, stack.lengths
+        (True, 4, (2, 2))
+        >>> x = jnp.ones((2, 3))
+        >>> variables = stack.init(jax.random.key(0), x)
+        >>> jax.tree.map(jnp.shape, variables["params"])  # leading axes: the lengths
+        {'bias': (2, 2, 3), 'kernel': (2, 2, 3, 3)}
+        >>> grads = jax.grad(lambda v: stack.apply(v, x).sum())(variables)
+        >>> grads["params"]["kernel"].shape
+        (2, 2, 3, 3)
     """
 
     block: Any

@@ -17,6 +17,19 @@ class NnxRematStack(nnx.Module):
 
     Built by ``remat_stack``; see there. ``self.layers`` is one block whose ``nnx.Param``s
     are stacked with leading axes ``lengths`` (``(depth,)`` for ``lengths="auto"``).
+
+    Example:
+        >>> from flaxside import remat_stack
+        >>> stack = remat_stack(nnx.Linear, 4, in_features=3, out_features=3,
+        ...                     rngs=nnx.Rngs(0))
+        >>> type(stack).__name__, stack.layers.kernel.shape  # four (3, 3) kernels
+        ('NnxRematStack', (4, 3, 3))
+        >>> x = jnp.ones((2, 3))
+        >>> stack(x).shape
+        (2, 3)
+        >>> grads = nnx.grad(lambda model: model(x).sum())(stack)
+        >>> grads["layers"]["kernel"].shape
+        (4, 3, 3)
     """
 
     def __init__(self, block: type, depth: int, /, *, lengths=None, policy=None,

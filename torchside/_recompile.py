@@ -18,6 +18,20 @@ class RecompileWarning(UserWarning):
     Each new signature (a new shape, dtype, static value, ...) traces and compiles the
     programs again, which can cost more than the step itself. Silence it per module with
     ``recompile_warning=None``, or filter this class with ``warnings.filterwarnings``.
+
+    Example:
+        >>> import warnings
+        >>> from torchside import jax_function
+        >>> double = jax_function(lambda x: 2 * x, recompile_warning=2)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for n in (1, 2, 3):  # a new length is a new signature: a new compile
+        ...         _ = double(torch.ones(n))
+        >>> caught[0].category is RecompileWarning
+        True
+        >>> print(caught[0].message)
+        jax_function(<lambda>) has compiled for 3 distinct call signatures ... What changed:
+        args[0] dimension 0 (sizes 1, 2, 3). To fix it, pad or bucket the changing dimension ...
     """
 
 

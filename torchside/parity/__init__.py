@@ -22,7 +22,22 @@ elementwise::
 This is torch's ``assert_close`` rule except that the absolute floor scales with the
 tensor's magnitude once that exceeds 1: parameter gradients are sums over a batch and a
 stack and reach tens, where float32 cannot resolve an absolute 1e-5. Each row's reason is
-written beside ``TOLERANCES``.
+written beside ``TOLERANCES``; ``rtol=`` and ``atol=`` of ``assert_matches`` override them.
+
+Example:
+    ``TOLERANCES`` maps a dtype to ``(rtol, atol)``:
+
+    >>> from torchside.parity import TOLERANCES
+    >>> TOLERANCES[torch.float32], TOLERANCES[torch.bfloat16]
+    ((1.3e-06, 1e-05), (0.08, 0.08))
+    >>> rtol, atol = TOLERANCES[torch.float32]
+    >>> ref = torch.tensor([30.0, 0.0])  # a gradient summed over a batch reaches tens
+    >>> ours = ref + 1e-4
+    >>> err = (ours - ref).abs()
+    >>> bool((err <= atol * max(1.0, float(ref.abs().max())) + rtol * ref.abs()).all())
+    True
+    >>> torch.allclose(ours, ref, rtol=rtol, atol=atol)  # torch's fixed absolute floor
+    False
 """
 
 from torchside.parity._compare import assert_matches as assert_matches

@@ -89,6 +89,24 @@ def compare(ours: torch.nn.Module, reference: torch.nn.Module, *inputs, cotangen
     Returns:
         A ``ParityReport``; ``report.max_rel_error`` is the largest
         ``max|error| / max|reference|`` over all tensors compared.
+
+    Example:
+        Typically ``ours`` is a ``FlaxModule`` and ``reference`` its torch twin; here, two
+        torch modules:
+
+        >>> import copy
+        >>> reference = torch.nn.Linear(3, 2)
+        >>> ours = copy.deepcopy(reference)
+        >>> x = torch.randn(4, 3)
+        >>> report = compare(ours, reference, x)
+        >>> report.ok, [row.name for row in report.rows]
+        (True, ['output', 'grad of input[0]', 'grad of weight', 'grad of bias'])
+        >>> with torch.no_grad():
+        ...     ours.bias += 1e-3  # far beyond float32's tolerance
+        >>> [row.name for row in compare(ours, reference, x).failures]
+        ['output']
+        >>> compare(ours, reference, x, atol=1e-2).ok  # a looser tolerance passes it
+        True
     """
     if isinstance(cotangent, str) and cotangent not in COTANGENTS:
         raise ValueError(

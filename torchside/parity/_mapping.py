@@ -39,6 +39,22 @@ class FlaxSource:
             shape; a 1-D target takes the flattened leaf), ``"linear"`` (Dense kernel
             ``(*in, *out)`` -> Linear weight ``(out, in)``), ``"conv"`` (Conv kernel
             ``(*spatial, in, out)`` -> ``(out, in, *spatial)``).
+
+    Example:
+        >>> FlaxSource("stack/Dense_0", layer=3)  # a scope, layer 3 of a scanned stack
+        FlaxSource(path='stack/Dense_0', layer=(3,), layout='copy')
+
+        Layer 1 of a scanned Dense kernel ``(layer, in, out)`` as a ``Linear`` weight (the
+        layers not read are why ``strict=False``):
+
+        >>> from torchside.parity import copy_weights
+        >>> kernel = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+        >>> linear = torch.nn.Linear(3, 4, bias=False)
+        >>> source = FlaxSource("params/stack/kernel", layer=1, layout="linear")
+        >>> copy_weights({"params": {"stack": {"kernel": kernel}}}, linear,
+        ...              {"weight": source}, strict=False)
+        >>> torch.equal(linear.weight, torch.from_numpy(kernel[1].T))
+        True
     """
 
     path: str

@@ -40,6 +40,25 @@ class ParityError(AssertionError):
         name: the first failing tensor's name (``"output[0]"``, ``"grad of params.x"``).
         max_abs: its max absolute error.
         max_rel: its max elementwise relative error.
+
+    Example:
+        >>> import copy
+        >>> from torchside.parity import assert_matches
+        >>> linear = torch.nn.Linear(3, 2)
+        >>> scaled = copy.deepcopy(linear)
+        >>> _ = scaled.weight.detach().mul_(1.01)  # every weight 1% off
+        >>> try:
+        ...     assert_matches(scaled, linear, torch.randn(4, 3))
+        ... except ParityError as error:
+        ...     print(error.name, [diff.name for diff in error.report.failures])
+        ...     print(error)
+        output ['output', 'grad of input[0]']
+        assert_matches: output (float32[4, 2]): ... elements exceed atol * max(1,
+        max|reference|) + rtol * |reference| with atol=1e-05, rtol=1.3e-06, ...
+        1 more tensor(s) differ:
+          grad of input[0] (float32[4, 3]): ...
+        >>> issubclass(ParityError, AssertionError)  # pytest reports it as a failed assert
+        True
     """
 
     def __init__(self, report: ParityReport):
@@ -58,6 +77,21 @@ class TensorDiff:
     where the reference crosses zero and is what the parity tables report. ``ref_max`` is
     ``max|ref|``; a tensor with ``ref_max <= atol`` is numerically zero (the gradient of an
     attention key bias, say, is zero in exact arithmetic) and only its absolute error counts.
+
+    Example:
+        >>> import copy
+        >>> from torchside.parity import compare
+        >>> ref = torch.nn.Linear(3, 2)
+        >>> shifted = copy.deepcopy(ref)
+        >>> _ = shifted.bias.detach().add_(1e-3)
+        >>> diff = compare(shifted, ref, torch.randn(4, 3)).rows[0]
+        >>> diff.name, diff.shape, diff.ok, diff.n_bad, round(diff.max_abs, 5)
+        ('output', (4, 2), False, 8, 0.001)
+        >>> diff.rtol, diff.atol  # float32's row of TOLERANCES
+        (1.3e-06, 1e-05)
+        >>> print(diff.describe())
+        output (float32[4, 2]): 8 of 8 elements exceed atol * max(1, max|reference|) + rtol *
+        |reference| with atol=1e-05, rtol=1.3e-06, max|reference|=... Max abs error 0.001 ...
     """
 
     name: str
@@ -146,7 +180,25 @@ def diff_tensors(name, ours, ref, rtol=None, atol=None, dtype=None, note="") -> 
 
 @dataclasses.dataclass
 class ParityReport:
-    """Every tensor compared by ``compare``: outputs, input gradients, parameter gradients."""
+    """Every tensor compared by ``compare``: outputs, input gradients, parameter gradients.
+
+    Attributes:
+        rows: one ``TensorDiff`` per tensor, in the order compared.
+
+    Example:
+        >>> import copy
+        >>> from torchside.parity import compare
+        >>> twin = torch.nn.Linear(3, 2)
+        >>> report = compare(copy.deepcopy(twin), twin, torch.randn(4, 3))
+        >>> report.ok, report.max_rel_error, report.failures
+        (True, 0.0, [])
+        >>> print(report)
+        tensor             dtype     max abs  max|err|/max|ref|  ok
+        output             float32  0.00e+00           0.00e+00  yes
+        grad of input[0]   float32  0.00e+00           0.00e+00  yes
+        grad of weight     float32  0.00e+00           0.00e+00  yes
+        grad of bias       float32  0.00e+00           0.00e+00  yes
+    """
 
     rows: list[TensorDiff]
 
