@@ -43,17 +43,11 @@ CONSTANTS = {
     "bridge.EXCHANGE_MODES": "bridge",
 }
 
-# Names whose docstring has no example yet, in files being rewritten on main (not edited on
-# this branch). Strict: once the rewrite adds the example, the xfail fails; delete the entry.
-MISSING_EXAMPLES = {
-    "torchside.JaxFunction": "torchside/_jax_function.py: no Example section",
-    "torchside.shard": "torchside/_shard.py: no Example section",
-    "bridge.exchange_mode": "bridge/_exchange.py: no Example section",
-    "bridge.is_zero_copy": "bridge/_exchange.py: no Example section",
-    "bridge.set_exchange_mode": "bridge/_exchange.py: no Example section",
-}
+# Names whose docstring has no example yet, with why (strict xfail: delete the entry once
+# it has one). Empty: every public name has one.
+MISSING_EXAMPLES: dict[str, str] = {}
 
-# Examples that fail under doctest, in files being rewritten on main; same rule as above.
+# Examples that fail under doctest, with why; same rule as above.
 BROKEN_EXAMPLES: dict[str, str] = {}
 
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS

@@ -13,6 +13,8 @@ A ``Program`` (``flaxside.internal``) is tested on its own in
 
 from __future__ import annotations
 
+import jax
+
 
 def entries(owner) -> list:
     """The owner's cached entries, one per call signature, least recently used first.
@@ -67,9 +69,15 @@ def executables_run(owner) -> list[tuple[str, str, object]]:
 def variables_from(module, values: list):
     """The Flax variables of a ``FlaxModule`` with ``values`` as its parameter leaves.
 
-    ``values`` holds one array per ``module.named_parameters()``, in that order.
+    ``values`` holds one array per ``module.named_parameters()``, in that order (torch's
+    order, which differs from Flax's leaf order when parameters sit both at a scope and in
+    its submodules); buffers keep their current values.
     """
-    return module._adapter.variables(values)
+    by_name = dict(zip((n for n, _ in module.named_parameters()), values, strict=True))
+    state = dict(module.named_buffers())
+    leaves = [by_name[n] if n in by_name else jax.numpy.asarray(state[n].detach().cpu().numpy())
+              for n in module._adapter.names]
+    return module._adapter.variables(leaves)
 
 
 def derived_programs(owner) -> list:
