@@ -16,8 +16,8 @@ With ``--docs PATH`` it also writes the tables, the machine and the command as t
 ``call_costs`` block of a markdown file (docs/benchmarks.md takes default-size runs only).
 
 How to run:
-    python examples/call_costs.py                                # about 20 s
-    python examples/call_costs.py --docs docs/benchmarks.md      # and update the docs
+    python examples/bench/call_costs.py                             # about 20 s
+    python examples/bench/call_costs.py --docs docs/benchmarks.md   # and update the docs
 """
 
 from __future__ import annotations

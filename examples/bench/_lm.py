@@ -46,9 +46,10 @@ import optax
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_measure import Contestant, race  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this folder, and examples/ for train_lm.py
 from _docs import md_table  # noqa: E402
+from _measure import Contestant, race  # noqa: E402
 from train_lm import Block  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402
