@@ -192,6 +192,11 @@ SIZES = {
 
 
 def run_workload(workload: Workload, size: dict) -> dict:
+    """One row of the workloads table: first calls, agreement, the race, held bytes.
+
+    call_costs.py measures its per-call rows with this function too (TINY at full size), so
+    that those rows and this table's TINY row differ only by the run they come from.
+    """
     layers = torch_twin(workload.module, workload.variables["params"])
     bridge = Bridge(workload)
     contestants = [
