@@ -207,8 +207,9 @@ def main() -> int:
     for name, status in rows:
         print(f"{name.ljust(width)}  {status}")
     print()
-    from _bench_leaves import leaf_sweep, print_leaf_sweep
-    from _bench_report import fmt_time
+    sys.path.insert(0, str(ROOT / "examples" / "bench"))  # the benchmark's leaf sweep
+    from _leaves import leaf_sweep, print_leaf_sweep
+    from _report import fmt_time
 
     print_leaf_sweep(leaf_sweep((1, 16, 256, 1024, 4096), budget=2.0, min_repeats=7,
                                 device="cuda"), fmt_time)

@@ -40,9 +40,10 @@ import numpy as np
 
 import flaxside
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_report import fmt_bytes  # noqa: E402
-from _bench_workloads import Block, RematScan, Scan  # noqa: E402
+# The benchmark's models and byte formatting (examples/bench/).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
+from _report import fmt_bytes  # noqa: E402
+from _workloads import Block, RematScan, Scan  # noqa: E402
 
 
 class StockRematScan(nn.Module):

@@ -1,4 +1,5 @@
-"""Every script in examples/ runs, at a tiny size, in a fresh process (so they never rot)."""
+"""Every script in examples/ and examples/bench/ runs, at a tiny size, in a fresh process (so
+they never rot)."""
 
 import json
 import os
@@ -12,16 +13,16 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
-# Tiny-size arguments per example; ``{out}`` becomes a temporary folder. A new example must
-# be added here: test_example_runs fails for it until it is.
+# Tiny-size arguments per example, by its path under examples/; ``{out}`` becomes a temporary
+# folder. A new example must be added here: test_example_runs fails for it until it is.
 TINY_ARGS = {
     "quickstart.py": ["--steps", "5"],
-    "call_costs.py": ["--tensors", "16", "--repeats", "2"],
+    "bench/call_costs.py": ["--tensors", "16", "--repeats", "2"],
     "gpu_check.py": [],
     "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4",
                        "--rounds", "1"],  # without a GPU it says so and exits 0
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
-    "benchmark.py": ["--smoke", "--out", "{out}"],
+    "bench/benchmark.py": ["--smoke", "--out", "{out}"],
     "exit_aborts.py": ["--runs", "1"],
     "pinn.py": ["--steps", "40", "--points", "64", "--out", "{out}"],
     "train_sharded.py": ["--steps", "3", "--lengths", "2", "2", "--width", "16",
@@ -39,7 +40,10 @@ LAUNCHERS = {
 
 
 def _scripts() -> list[str]:
-    return sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
+    """The user examples and the benchmark harness's scripts (its ``_`` modules are imports)."""
+    paths = [*EXAMPLES.glob("*.py"), *(EXAMPLES / "bench").glob("*.py")]
+    return sorted(p.relative_to(EXAMPLES).as_posix() for p in paths
+                  if not p.name.startswith("_"))
 
 
 def _run(name: str, tmp_path) -> subprocess.CompletedProcess:
@@ -148,7 +152,7 @@ def _check_exit_aborts(done, out) -> None:
 
 CHECKS = {
     "train_digits.py": _check_train_digits,
-    "benchmark.py": _check_benchmark,
+    "bench/benchmark.py": _check_benchmark,
     "train_lm.py": _check_train_lm,
     "exit_aborts.py": _check_exit_aborts,
     "pinn.py": _check_pinn,

@@ -23,7 +23,7 @@ Contestants, one step each, on the same weights and points (interleaved rounds, 
   backward). PINN: torch must drive nested derivatives through its own layers around the
   trunk, so each program call is a minimal ``torch.autograd.Function`` whose backward,
   under ``create_graph``, is a call of the VJP's programs, as the bridge's is
-  (``_bench_higher_floor.py``). Meant as what any bridge that lets torch drive the
+  (``_higher_floor.py``). Meant as what any bridge that lets torch drive the
   derivatives pays; on CPU a DLPack conversion costs more than the bridge's pointer views,
   so the bridge may beat it;
 * ``torch``: the torch twin, eager (parameters in Flax's layout, same operations).
@@ -47,9 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_higher_floor import FloorTrunk, Node  # noqa: E402
-from _bench_measure import Contestant, race  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this folder, and examples/ for pinn.py
+from _higher_floor import FloorTrunk, Node  # noqa: E402
+from _measure import Contestant, race  # noqa: E402
 from pinn import PINN, Trunk, laplacian, source  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402

@@ -4,8 +4,8 @@ Models: Hugging Face's ``FlaxGPT2LMHeadModule`` (and ``GPT2LMHeadModel`` as its 
 twin) when ``transformers<5`` is installed (``pip install -e '.[hf]'``), and always our own
 Linen GPT-2 (``train_lm.Block``: pre-LayerNorm attention + GELU MLP, tied head) with a
 torch twin written here. Same config for both: 2 layers, width 128, 4 heads, vocabulary
-1024, batch 8 x 32 tokens (the shapes of issue 24's measurement), random weights, dropout
-off.
+1024; a batch of 8 sequences of 32 int64 token ids (as a torch data loader yields them) and
+as many targets; random weights, dropout off.
 
 Contestants, one forward+backward each (timed in interleaved rounds; gradients cleared
 outside the timed region):
@@ -46,9 +46,10 @@ import optax
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_measure import Contestant, race  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this folder, and examples/ for train_lm.py
 from _docs import md_table  # noqa: E402
+from _measure import Contestant, race  # noqa: E402
 from train_lm import Block  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402

@@ -1,6 +1,6 @@
 """Sharded training of a deep Flax block over 2 torch processes (gloo, CPU), three ways.
 
-One ``_bench_workloads.RematScan`` stack, the same weights and data, trained with AdamW on
+One ``_workloads.RematScan`` stack, the same weights and data, trained with AdamW on
 one 2-process mesh as ``sharded`` (``torchside.shard(FlaxModule(...))``: DTensor shards,
 one SPMD program per call that gathers a layer per scan iteration, NOTE [Sharded blocks]),
 ``fully_shard whole`` (the same ``FlaxModule`` unsharded under FSDP2's ``fully_shard`` as
@@ -13,8 +13,8 @@ A step: forward on the rank's half of the batch, MSE loss, backward, update. Eac
 first runs two checked steps: the global losses of step 1 (the forward, same weights) and
 step 2 (after one update: gradients and AdamW) must agree, or no times are printed.
 
-How to run: ``python examples/benchmark.py --only shard --quick``; it starts the workers,
-``python examples/_bench_shard.py --worker RANK WORLD PORT OUT SPEC``.
+How to run: ``python examples/bench/benchmark.py --only shard --quick``; it starts the
+workers, ``python examples/bench/_shard.py --worker RANK WORLD PORT OUT SPEC``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     from torch.distributed.tensor import Shard
 
     sys.path.insert(0, str(HERE))
-    from _bench_workloads import RematScan
+    from _workloads import RematScan
 
     from torchside import FlaxModule, shard
 
@@ -258,7 +258,7 @@ def shard_rows(size_name: str, size: dict) -> list[dict]:
     t0 = time.perf_counter()
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY=os.environ.get(
         "OMP_WAIT_POLICY", "PASSIVE"), PYTHONPATH=os.pathsep.join(
-        p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p))
+        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH")) if p))  # the repo root
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "shard")
         with socket.socket() as sock:  # a free port for torch's rendezvous
@@ -316,7 +316,7 @@ def print_shard(rows: list[dict]) -> tuple[list[list[str]], str]:
     Returns:
         The target rows for the summary, and the printed tables as markdown.
     """
-    from _bench_report import _table, _verdict, fmt_bytes, fmt_time
+    from _report import _table, _verdict, fmt_bytes, fmt_time
 
     targets, md = [], []
     for r in rows:

@@ -5,9 +5,12 @@ What this shows, on this machine, through flaxtorch's public API:
 * per tensor: ``bridge.to_jax`` and ``bridge.to_torch`` (zero-copy on CPU), a forced copy,
   and the DLPack import and export that the CUDA route (and ``FLAXTORCH_EXCHANGE=dlpack``)
   makes per tensor, each the median of repeated runs over many 64-element tensors;
-* per call: one forward+backward of a 2-layer MLP (width 64, batch 8, the benchmark's TINY
-  size, where the fixed cost of a call dominates) through ``FlaxModule``, as pure JAX
-  ``jit(value_and_grad)`` and as the same MLP in torch, timed in interleaved rounds;
+* per call: the benchmark's TINY row (one forward+backward of a 2-layer MLP, width 64,
+  batch 8, where the fixed cost of a call dominates), measured by the benchmark's own code
+  at its full size (``benchmark.run_workload``: the same model, weights, inputs and four
+  contestants, ``FlaxModule``, pure JAX ``jit(value_and_grad)``, and the torch twin without
+  and with per-layer checkpoint, in interleaved rounds filling the same time budget), so
+  that its figures and the benchmark's TINY row differ only by the run they come from;
 * how many Python function calls one cached forward+backward of that ``FlaxModule``
   makes (cProfile): a count, not a time, so it compares versions of the bridge on any
   machine.
@@ -16,8 +19,8 @@ With ``--docs PATH`` it also writes the tables, the machine and the command as t
 ``call_costs`` block of a markdown file (docs/benchmarks.md takes default-size runs only).
 
 How to run:
-    python examples/call_costs.py                                # about 20 s
-    python examples/call_costs.py --docs docs/benchmarks.md      # and update the docs
+    python examples/bench/call_costs.py                             # about 20 s
+    python examples/bench/call_costs.py --docs docs/benchmarks.md   # and update the docs
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -46,6 +48,8 @@ from torchside import FlaxModule  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
+from _measure import torch_inputs  # noqa: E402
+from benchmark import SIZES, run_workload, workloads  # noqa: E402
 
 DEFAULTS = {"tensors": 768, "repeats": 30}
 
@@ -82,66 +86,21 @@ def tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
     ]
 
 
-class TinyMLP(nn.Module):
-    """The benchmark's TINY workload: two Dense layers, width 64."""
-
-    @nn.compact
-    def __call__(self, x):
-        h = jnp.tanh(nn.Dense(64)(x))  # built first, so named Dense_0
-        return nn.Dense(64)(h)
+def tiny_workload():
+    """The benchmark's TINY workload: its model, weights, input and cotangent."""
+    (tiny,) = workloads(["tiny"], SIZES["full"])
+    return tiny
 
 
-def call_rows(repeats: int) -> tuple[list[tuple[str, float]], float]:
-    """Median seconds per forward+backward of ``TinyMLP`` three ways, and their max diff."""
-    x = torch.randn(8, 64)
-    ct = torch.randn(8, 64)
-    layer = FlaxModule(TinyMLP(), example_args=(x,))
-    params = layer.flax_variables()["params"]
-    twin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
-    with torch.no_grad():
-        for linear, name in ((twin[0], "Dense_0"), (twin[2], "Dense_1")):
-            linear.weight.copy_(bridge.to_torch(params[name]["kernel"]).T)
-            linear.bias.copy_(bridge.to_torch(params[name]["bias"]))
-
-    @jax.jit
-    def value_and_grad(p, x, ct):
-        return jax.value_and_grad(
-            lambda p, x: jnp.vdot(TinyMLP().apply({"params": p}, x), ct), argnums=(0, 1)
-        )(p, x)
-
-    jx, jct = jnp.asarray(x.numpy()), jnp.asarray(ct.numpy())
-    xs = {name: x.clone().requires_grad_() for name in ("flaxtorch", "torch")}
-
-    def run(module, name):
-        module.zero_grad(set_to_none=True)
-        xs[name].grad = None
-        out = module(xs[name])
-        out.backward(ct)
-        return out
-
-    calls = {
-        "FlaxModule": lambda: run(layer, "flaxtorch"),
-        "pure JAX jit(value_and_grad)": lambda: jax.block_until_ready(
-            value_and_grad(params, jx, jct)),
-        "torch eager": lambda: run(twin, "torch"),
-    }
-    diff = float((calls["FlaxModule"]().detach() - calls["torch eager"]().detach()).abs().max())
-    for call in calls.values():  # compile and settle
-        for _ in range(3):
-            call()
-    times = {name: [] for name in calls}
-    for _ in range(max(repeats, 10)):  # interleaved: load on the machine hits all alike
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return [(name, statistics.median(t)) for name, t in times.items()], diff
+def call_row(tiny) -> dict:
+    """The benchmark's TINY row, measured as the benchmark measures it at its full size."""
+    return run_workload(tiny, SIZES["full"])
 
 
-def python_calls_per_call(repeats: int) -> float:
-    """Python function calls per cached forward+backward of ``TinyMLP`` (batch 8)."""
-    layer = FlaxModule(TinyMLP(), example_args=(torch.zeros(8, 64),))
-    x, ct = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64)
+def python_calls_per_call(tiny, repeats: int) -> float:
+    """Python function calls per cached forward+backward of TINY through ``FlaxModule``."""
+    layer = FlaxModule(tiny.module, variables=tiny.variables)
+    x, ct = torch_inputs(tiny)
     for _ in range(3):  # compile and settle
         layer(x).backward(ct)
     profile = cProfile.Profile()
@@ -157,7 +116,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=DEFAULTS["tensors"],
                         help="tensors per measurement (768: the benchmark's LEAVES workload)")
     parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"],
-                        help="runs per median")
+                        help="runs per median of the per-tensor rows (the per-call rows "
+                             "take the benchmark's rounds)")
     parser.add_argument("--docs", default=None, metavar="PATH",
                         help="also write the tables as the call_costs block of this "
                              "markdown file (docs/benchmarks.md: default sizes only)")
@@ -167,8 +127,14 @@ def main() -> None:
         full = (n, repeats) == (DEFAULTS["tensors"], DEFAULTS["repeats"])
         _docs.check_target(args.docs, full=full, script="call_costs.py")
     tensors = tensor_rows(n, repeats)
-    calls, diff = call_rows(repeats)
-    python_calls = python_calls_per_call(max(repeats, 10))
+    tiny = tiny_workload()
+    row = call_row(tiny)
+    python_calls = python_calls_per_call(tiny, max(repeats, 10))
+    times, base = row["times"], row["times"]["torch"]
+    diff = max(row["mismatch"].values())
+    call_title = (f"the benchmark's TINY row ({row['describe']}), measured by its own code at "
+                  f"full size (benchmark.run_workload): median of {row['rounds']} interleaved "
+                  f"rounds; outputs agree with pure JAX to {diff:.1e}")
 
     print(f"jax {jax.__version__}, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")
@@ -177,12 +143,10 @@ def main() -> None:
     print(f"{'step'.ljust(width)}  {'cost':>9}  zero-copy")
     for name, seconds, zero_copy in tensors:
         print(f"{name.ljust(width)}  {seconds * 1e6:7.1f} us  {zero_copy}")
-    print(f"\nPer call: forward+backward of a 2-layer MLP, width 64, batch 8 (median; "
-          f"FlaxModule and torch agree to {diff:.1e})")
-    base = dict(calls)["torch eager"]
-    for name, seconds in calls:
+    print(f"\nPer call, forward+backward: {call_title}")
+    for name, seconds in times.items():
         print(f"{name.ljust(width)}  {seconds * 1e6:7.0f} us  {seconds / base:.2f}x torch eager")
-    print(f"Python function calls per cached forward+backward of a 2-layer FlaxModule: "
+    print(f"Python function calls per cached forward+backward of TINY's FlaxModule: "
           f"{python_calls:.0f}")
 
     if args.docs:
@@ -193,11 +157,11 @@ def main() -> None:
             _docs.md_table(["step", "cost", "zero-copy"],
                            [[s, f"{t * 1e6:.1f} us", z] for s, t, z in tensors]),
             "",
-            "Per call, forward+backward of a 2-layer MLP (width 64, batch 8), median of "
-            f"interleaved rounds (FlaxModule and torch agree to {diff:.1e}):",
+            f"Per call, forward+backward: {call_title}:",
             "",
             _docs.md_table(["contestant", "time", "vs torch eager"],
-                           [[s, f"{t * 1e6:.0f} us", f"{t / base:.2f}x"] for s, t in calls]),
+                           [[s, f"{t * 1e6:.0f} us", f"{t / base:.2f}x"]
+                            for s, t in times.items()]),
             "",
             f"Python function calls per cached forward+backward of that FlaxModule "
             f"(cProfile): {python_calls:.0f}.",

@@ -17,20 +17,20 @@ What this shows:
       the torch twin with no checkpoint, per-layer checkpoint and ``checkpoint_sequential``;
     * for 1 ... 4,096 parameter leaves at a fixed total size: time per call of the bridge,
       pure JAX and torch eager, and each one's fitted cost per extra leaf
-      (``_bench_leaves.py``).
+      (``_leaves.py``).
 
-    * for a GPT-2-shaped model trained from torch (``_bench_lm.py``): the bridge with the
+    * for a GPT-2-shaped model trained from torch (``_lm.py``): the bridge with the
       loss in torch and inside the Flax module against pure JAX fused and split, and
       against the torch twin.
 
-    * for steps that differentiate a Flax block again from torch (``_bench_higher.py``): a
+    * for steps that differentiate a Flax block again from torch (``_higher.py``): a
       WGAN-GP gradient-penalty step and the PINN step of ``examples/pinn.py`` (third
       derivatives), the bridge against pure JAX ``jit(grad)``, the same JAX programs run
       without the bridge, and the torch twin; per order, the programs compiled and run,
       their times and the bytes held for backward.
 
     * for a deep ``nn.remat_scan`` block trained over 2 torch processes (gloo, CPU;
-      ``_bench_shard.py``): ``torchside.shard`` against FSDP2's ``fully_shard`` of the whole
+      ``_shard.py``): ``torchside.shard`` against FSDP2's ``fully_shard`` of the whole
       block and pure JAX SPMD on the same mesh; per rank, the step time, the parameter and
       AdamW bytes held between steps, and each XLA program's peak bytes and collectives.
 
@@ -42,12 +42,13 @@ What this shows:
 
 How to run:
     pip install -e '.[examples]'
-    python examples/benchmark.py               # full run, several minutes on 2 CPU cores
-    python examples/benchmark.py --quick       # reduced sizes, about a minute on an idle
-                                               # 2-core machine (MEDIUM width 256, LEAVES 32
-                                               # blocks, depths 16 and 1024, fewer repeats)
-    python examples/benchmark.py --out plots   # where the PNGs and results.json go
-    python examples/benchmark.py --docs docs/benchmarks.md   # full run, updates the docs
+    python examples/bench/benchmark.py             # full run, several minutes on 2 CPU cores
+    python examples/bench/benchmark.py --quick     # reduced sizes, about a minute on an idle
+                                                   # 2-core machine (MEDIUM width 256, LEAVES
+                                                   # 32 blocks, depths 16 and 1024, fewer
+                                                   # repeats)
+    python examples/bench/benchmark.py --out plots # where the PNGs and results.json go
+    python examples/bench/benchmark.py --docs docs/benchmarks.md  # full run, updates the docs
 """
 
 from __future__ import annotations
@@ -115,11 +116,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
-from _bench_higher import higher_rows  # noqa: E402
-from _bench_leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
-from _bench_lm import lm_rows, print_lm  # noqa: E402
-from _bench_measure import Bridge, PureJax, TorchEager, race  # noqa: E402
-from _bench_report import (  # noqa: E402
+from _higher import higher_rows  # noqa: E402
+from _leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
+from _lm import lm_rows, print_lm  # noqa: E402
+from _measure import Bridge, PureJax, TorchEager, race  # noqa: E402
+from _report import (  # noqa: E402
     fmt_time,
     plot_sweep,
     print_higher,
@@ -127,8 +128,8 @@ from _bench_report import (  # noqa: E402
     print_targets,
     print_workloads,
 )
-from _bench_shard import print_shard, shard_rows  # noqa: E402
-from _bench_workloads import (  # noqa: E402
+from _shard import print_shard, shard_rows  # noqa: E402
+from _workloads import (  # noqa: E402
     FLAX_VARIANTS,
     RematScan,
     RematStack,
@@ -191,6 +192,11 @@ SIZES = {
 
 
 def run_workload(workload: Workload, size: dict) -> dict:
+    """One row of the workloads table: first calls, agreement, the race, held bytes.
+
+    call_costs.py measures its per-call rows with this function too (TINY at full size), so
+    that those rows and this table's TINY row differ only by the run they come from.
+    """
     layers = torch_twin(workload.module, workload.variables["params"])
     bridge = Bridge(workload)
     contestants = [

@@ -269,12 +269,12 @@ _KINDS = {"forward_with_residuals": "forward with residuals", "backward": "backw
 
 
 def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
-    """Prints the higher-order tables (``_bench_higher.py``).
+    """Prints the higher-order tables (``_higher.py``).
 
     Returns:
         The target rows for the summary, and the printed tables as markdown.
     """
-    from _bench_higher import FLOOR_TARGET, TARGETS
+    from _higher import FLOOR_TARGET, TARGETS
 
     title = ("Higher-order steps (median per step), agreement of the parameter gradients "
              "with pure JAX")

@@ -1,4 +1,4 @@
-"""The no-bridge floor of the benchmark's higher-order rows (``_bench_higher.py``).
+"""The no-bridge floor of the benchmark's higher-order rows (``_higher.py``).
 
 The programs the bridge runs for a derivative of a derivative, built the same way
 (``flaxside.internal``'s ``Program`` over the block, ``vjp_function`` for each further

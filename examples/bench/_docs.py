@@ -1,8 +1,8 @@
 """Writing measured figures into docs/benchmarks.md: markdown tables, the machine, the command.
 
 docs/benchmarks.md is hand-written prose around generated blocks. Each block lies between
-``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` and belongs to one script
-(``benchmark`` to ``examples/benchmark.py``, ``call_costs`` to ``examples/call_costs.py``),
+``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` and belongs to one script (``benchmark``
+to ``examples/bench/benchmark.py``, ``call_costs`` to ``examples/bench/call_costs.py``),
 which replaces it whole with the date, the machine, the exact command and its tables. The
 committed file takes only full-size runs: a reduced run (``--quick``, ``--smoke``, the
 tests' tiny sizes) would replace the figures with meaningless ones, so it is refused there
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # examples/bench/ -> the repository root
 COMMITTED = ROOT / "docs" / "benchmarks.md"
 
 

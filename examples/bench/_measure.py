@@ -91,6 +91,17 @@ def held_bytes(call: Callable, exclude: list[torch.Tensor]) -> int:
     return sum(held.values())
 
 
+def torch_inputs(workload) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workload's input (requiring grad) and cotangent, in memory torch allocated.
+
+    Copied by torch rather than wrapped with ``torch.from_numpy``: numpy aligns its buffers
+    to 16 bytes only, and the bridge copies a tensor that is not 64-byte aligned where it
+    shares a user's torch-allocated one (``bridge.is_zero_copy``), so a wrapped input would
+    make the bridge's rows depend on where numpy happened to place it.
+    """
+    return torch.tensor(workload.x, requires_grad=True), torch.tensor(workload.cotangent)
+
+
 class Contestant:
     """One way of running a workload: ``call()`` does forward+backward, ``reset()`` clears."""
 
@@ -130,8 +141,7 @@ class Bridge(Contestant):
     def __init__(self, workload):
         self.name = "bridge"
         self.module = FlaxModule(workload.module, variables=workload.variables)
-        self.x = torch.from_numpy(workload.x.copy()).requires_grad_()
-        self.cotangent = torch.from_numpy(workload.cotangent.copy())
+        self.x, self.cotangent = torch_inputs(workload)
         self.params = [*self.module.parameters(), self.x]
 
     def call(self) -> None:
@@ -181,8 +191,7 @@ class TorchEager(Contestant):
         ]
         self.mode = mode
         self.layers = torch.nn.Sequential(*layers)
-        self.x = torch.from_numpy(workload.x.copy()).requires_grad_()
-        self.cotangent = torch.from_numpy(workload.cotangent.copy())
+        self.x, self.cotangent = torch_inputs(workload)
         self.params = [*self.layers.parameters(), self.x]
         # sqrt(depth) segments: the classic memory-optimal split (Chen et al. 2016).
         self.segments = max(1, round(len(layers) ** 0.5))
