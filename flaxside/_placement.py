@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxside._device import compiling_for
-from flaxside._pack import pack_plan
+from flaxside._pack import Alone, pack_plan
 from flaxside._specs import LeafSpec
 
 jtu = jax.tree_util
@@ -178,7 +178,7 @@ class OnMesh:
 
     def pack_plan(self, avals, alone=None):
         """Every array alone, one buffer each (NOTE [SPMD programs])."""
-        return tuple(("alone", k) for k in range(len(avals))), tuple(
+        return tuple(Alone(k) for k in range(len(avals))), tuple(
             (tuple(a.shape), np.dtype(a.dtype)) for a in avals)
 
     def constrain(self, x, sharding):

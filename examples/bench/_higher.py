@@ -54,6 +54,7 @@ from _measure import Contestant, race  # noqa: E402
 from pinn import PINN, Trunk, laplacian, source  # noqa: E402
 
 from torchside import FlaxModule  # noqa: E402
+from torchside._higher import derived_owners  # noqa: E402  (internals, read only)
 
 jtu = jax.tree_util
 
@@ -278,8 +279,8 @@ def bridge_programs(module) -> Counter:
         for entry in caller.entries:
             for kind in entry._executables:
                 found[order, kind] += 1
-            for derived in entry.derived.values():
-                walk(derived, order + 1)
+            for derived in derived_owners(entry):
+                walk(derived._caller, order + 1)
 
     walk(module._caller, 1)
     return found
