@@ -78,7 +78,7 @@ def _wait_at_exit() -> None:
     if _imports and not wait_for_jax():
         print(f"flaxtorch: at exit, JAX still held {jax_held()} torch tensors after "
               f"{EXIT_TIMEOUT:.0f} s; the interpreter may abort while finalizing "
-              f"(NOTE [Imports at exit] in bridge/_imports.py).", file=sys.stderr)
+              f"(NOTE [Imports at exit] in bridge/_dlpack.py).", file=sys.stderr)
 
 
 def record(kind: str, device: torch.device, stream=None, detail=None) -> None:

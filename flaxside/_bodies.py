@@ -28,6 +28,14 @@ from flaxside._vjp_leaves import label_leaves
 jtu = jax.tree_util
 
 
+def replaced(leaves, index, values) -> list:
+    """``leaves`` with ``values`` at ``index`` (the differentiated ones, inside a VJP)."""
+    full = list(leaves)
+    for i, x in zip(index, values, strict=True):
+        full[i] = x
+    return full
+
+
 @dataclasses.dataclass(frozen=True)
 class Structure:
     """What one trace of ``fn`` returns besides arrays; equal for every trace."""
@@ -35,6 +43,15 @@ class Structure:
     out_treedef: Any
     n_out: int
     write_back: Hashable
+
+    def check_again(self, again: Structure, name: str) -> None:
+        """Refuses another trace's structure that differs from this, the first trace's."""
+        if again != self:
+            raise NotImplementedError(
+                f"{name}: the function returned {again} when traced again, but {self} when "
+                f"first traced; its outputs and the state it writes back must depend on the "
+                f"shapes and dtypes of its inputs alone (no Python state that changes "
+                f"between traces).")
 
 
 class TracedBodies:
@@ -68,13 +85,7 @@ class TracedBodies:
 
     def _traced_results(self, leaves) -> list:
         results, structure = self._results(leaves)
-        if structure != self._structure:
-            raise NotImplementedError(
-                f"{self.name}: the function returned {structure} when traced again, but "
-                f"{self._structure} when first traced; its outputs and the state it writes "
-                f"back must depend on the shapes and dtypes of its inputs alone (no Python "
-                f"state that changes between traces)."
-            )
+        self._structure.check_again(structure, self.name)
         constrain = self.placement.constrain
         return [constrain(r, s) for r, s in zip(results, self._out_shardings, strict=True)]
 
@@ -82,10 +93,7 @@ class TracedBodies:
         """``jax.vjp`` over the diff leaves: ``(results, vjp)``."""
 
         def differentiated(*diff):
-            full = list(leaves)
-            for i, x in zip(self.diff_index, diff, strict=True):
-                full[i] = x
-            results = self._traced_results(full)
+            results = self._traced_results(replaced(leaves, self.diff_index, diff))
             return results[: self.n_out], results[self.n_out :]
 
         outs, vjp, aux = jax.vjp(

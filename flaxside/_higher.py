@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import jax
 
+from flaxside._bodies import replaced
 from flaxside._conventions import conj
 from flaxside._program import Program
 
@@ -44,10 +45,7 @@ def vjp_function(program: Program, wanted: tuple[int, ...] | None = None) -> Cal
         leaves = list(leaves)
 
         def differentiated(*diff):
-            full = list(leaves)
-            for i, x in zip(index, diff, strict=True):
-                full[i] = x
-            return program._traced_results(full)[:n_out]
+            return program._traced_results(replaced(leaves, index, diff))[:n_out]
 
         _, vjp = jax.vjp(differentiated, *[leaves[i] for i in index])
         return program._pull(vjp, list(cotangents), index)
@@ -66,10 +64,7 @@ def jvp_function(program: Program) -> Callable:
         leaves = list(leaves)
 
         def diff_only(*diff):
-            full = list(leaves)
-            for i, x in zip(program.diff_index, diff, strict=True):
-                full[i] = x
-            results = program._traced_results(full)
+            results = program._traced_results(replaced(leaves, program.diff_index, diff))
             return [results[k] for k in program.diff_out_index]
 
         primals = [leaves[i] for i in program.diff_index]

@@ -89,7 +89,7 @@ CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def lead_device(variables, tensors) -> torch.device:
     """The device a call runs on: its first variable's, else its first tensor's, else the CPU.
 
-    The tensors decide, never JAX's default device (NOTE [Devices] in docs/design.md);
+    The tensors decide, never JAX's default device (NOTE [Devices] in ``bridge/_devices.py``);
     every other tensor must be on the same device (``_checks.check_devices``).
     """
     lead = variables[0] if variables else (tensors[0] if tensors else None)

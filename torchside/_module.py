@@ -53,7 +53,7 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
             and backward, except for a scalar loss: when the one differentiable output is a
             real scalar, a grad-enabled eager call runs one fused program (JAX's
             ``jit(value_and_grad)``) at forward and holds the gradients, which the backward
-            scales by the incoming gradient (NOTE [Scalar loss] in ``_function.py``).
+            scales by the incoming gradient (NOTE [Scalar loss] in ``_entry.py``).
             ``"split"`` holds the policy's residuals for a scalar loss too (two programs);
             ``"recompute"`` holds only the inputs and reruns the forward in the backward,
             like ``torch.utils.checkpoint`` around the whole block.
@@ -157,7 +157,7 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
         for a block inside a network. ``held_bytes`` is what the call saves for backward
         besides the parameters, buffers, arguments and outputs: the residuals, a drawn RNG
         key, copies of written-back state; for a scalar loss with ``residuals="save"``, the
-        gradient buffers (NOTE [Scalar loss] in ``_function.py``). The compiled programs stay
+        gradient buffers (NOTE [Scalar loss] in ``_entry.py``). The compiled programs stay
         cached for the call.
 
         Returns:

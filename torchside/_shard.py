@@ -135,8 +135,10 @@ class ShardPlan:
         self.mesh, self.on_mesh, self.dims = mesh, on_mesh, dims
 
     def placement(self, layout, arg_ndims) -> OnMesh:
-        """Where a call's programs run: variables as planned, the RNG slot replicated,
-        every tensor argument (but a 0-d one) its rank's shard of the batch on dimension 0.
+        """Where a call's programs run (``OnMesh``), per leaf of ``layout``.
+
+        Variables as planned, the RNG slot replicated, every tensor argument (but a 0-d
+        one) its rank's shard of the batch on dimension 0.
         """
         args = [0 if ndim else None for ndim in arg_ndims]
         dims = layout.of_leaves(self.dims, None, args)

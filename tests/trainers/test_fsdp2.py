@@ -49,7 +49,7 @@ def test_the_reference_and_both_ranks_exit_0(runs):
     """Catches a process that fails after rank 0 saved what the other tests compare (the
     control first, so its result survives a later failure): in a later kind, in the final
     barrier or the process group's teardown, or at interpreter exit (NOTE [Imports at
-    exit] in ``bridge/_imports.py``)."""
+    exit] in ``bridge/_dlpack.py``)."""
     assert not runs.failures, runs.failures
 
 
