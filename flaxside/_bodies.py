@@ -59,7 +59,8 @@ class TracedBodies:
 
     def _results(self, leaves) -> tuple[list, Structure]:
         """``fn`` on the leaves: results (outputs then aux, never aliasing an input)."""
-        out, aux, write_back = self.fn(list(leaves))
+        with self.placement.tracing(leaves):  # NOTE [One collective per layer]
+            out, aux, write_back = self.fn(list(leaves))
         out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
             check_output_leaf(leaf, out_treedef, i, self.name)

@@ -92,3 +92,31 @@ def unpack(buffers: list, placement) -> list:
             out.append(buffers[entry.buffer][entry.offset : entry.offset + size]
                        .reshape(entry.shape))
     return out
+
+
+# -- one collective per layer over a mesh (NOTE [One collective per layer] in _placement.py) --
+def pack_by_rank(arrays: list, dims: list, n: int):
+    """Arrays each sharded ``n`` ways on its dim in ``dims``, as one ``(n, total)`` buffer.
+
+    Row ``r`` holds, for every array in order, the elements of rank ``r``'s shard (the
+    array's sharded dimension moved first and split ``n`` ways): sharded on its first
+    dimension, the buffer is each rank's own shards side by side, made without moving data
+    between ranks, and one collective gathers (or reduces and scatters) all of them.
+    """
+    rows = []
+    for a, d in zip(arrays, dims, strict=True):
+        moved = jnp.moveaxis(a, d, 0)
+        rows.append(moved.reshape((n, moved.shape[0] // n, *moved.shape[1:])).reshape(n, -1))
+    return jnp.concatenate(rows, axis=1)
+
+
+def unpack_by_rank(buffer, shapes: list, dims: list, n: int) -> list:
+    """The arrays ``pack_by_rank`` packed, of ``shapes``, from its ``(n, total)`` buffer."""
+    out, offset = [], 0
+    for shape, d in zip(shapes, dims, strict=True):
+        moved = (shape[d], *(s for k, s in enumerate(shape) if k != d))
+        size = int(np.prod(moved, dtype=np.int64)) // n
+        part = buffer[:, offset : offset + size].reshape((n, moved[0] // n, *moved[1:]))
+        out.append(jnp.moveaxis(part.reshape(moved), 0, d))
+        offset += size
+    return out

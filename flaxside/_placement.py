@@ -32,11 +32,24 @@ collectives, inside a scan one layer's gather per iteration.
   and are not divided. Gradients of batch-sharded inputs are each process's own;
 * small arrays are not packed into shared buffers: a buffer that concatenates arrays of
   different shardings would reshard them.
+
+NOTE [One collective per layer]. Left to itself, XLA's partitioner gathers each parameter
+of a scanned layer separately inside every iteration, and reduces each gradient
+separately: one collective per parameter per iteration, a round trip each. A stack that
+owns its loop (``flaxside.remat_stack``) gathers a layer as one buffer instead: while a
+program over a mesh is traced, ``OnMesh.tracing`` tells code inside which of the
+program's leaves (by identity) are sharded on which dimension (``sharded_dims``), and
+``OnMesh.gathered`` packs a layer's shards rank by rank (``pack_by_rank``: each rank's own
+shards side by side, so packing moves nothing between ranks), constrains the buffer
+replicated (one all-gather) and unpacks it; ``OnMesh.scattered`` packs the layer's
+gradients the same way and constrains the buffer sharded (one reduction). One collective
+per layer and direction, per dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 
@@ -47,10 +60,29 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxside._device import compiling_for
-from flaxside._pack import Alone, pack_plan
+from flaxside._pack import Alone, pack_by_rank, pack_plan, unpack_by_rank
 from flaxside._specs import LeafSpec
 
 jtu = jax.tree_util
+
+
+# While a program over a mesh is traced: (its OnMesh, {id(leaf): sharded dim}).
+_TRACING: contextvars.ContextVar = contextvars.ContextVar("flaxside_mesh_leaves",
+                                                          default=None)
+
+
+def sharded_dims(arrays) -> tuple[OnMesh | None, list]:
+    """``(placement, dims)`` for ``arrays`` traced inside a program over a mesh.
+
+    ``dims``: per array, the dimension it is sharded on if it is one of the program's
+    leaves (by identity), else ``None``; ``placement`` is the program's ``OnMesh``, or
+    ``None`` outside such a trace (NOTE [One collective per layer]).
+    """
+    tracing = _TRACING.get()
+    if tracing is None:
+        return None, [None] * len(arrays)
+    placement, dims = tracing
+    return placement, [dims.get(id(a)) for a in arrays]
 
 
 def local_spec(traced: LeafSpec, sharding) -> LeafSpec:
@@ -84,6 +116,10 @@ class OnDevice:
     def compiling(self):
         """Traces and lowerings inside it are for this device (``_device.py``)."""
         return compiling_for(self.device)
+
+    def tracing(self, leaves):
+        """While the program's function is traced on ``leaves``: nothing to say."""
+        return contextlib.nullcontext()
 
     def leaf_dims(self, n: int) -> tuple:
         """Per leaf, the dimension sharded over the mesh: none here."""
@@ -148,6 +184,56 @@ class OnMesh:
     def compiling(self):
         """Lowerings take their placement from the avals' shardings."""
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def tracing(self, leaves):
+        """While the function is traced on ``leaves``: which are sharded on which dim.
+
+        ``sharded_dims`` reads it (NOTE [One collective per layer]).
+        """
+        dims = {id(x): d for x, d in zip(leaves, self.dims, strict=True) if d is not None}
+        token = _TRACING.set((self, dims))
+        try:
+            yield
+        finally:
+            _TRACING.reset(token)
+
+    def gathered(self, arrays: list, dims: list) -> list:
+        """``arrays`` (one layer's, global shapes) replicated, sharded ones in one all-gather.
+
+        ``dims``: per array the dimension it is sharded on, or ``None`` (left as it is).
+        One collective per dtype (NOTE [One collective per layer]).
+        """
+        out = list(arrays)
+        for group in _by_dtype(arrays, dims):
+            buffer = pack_by_rank([arrays[k] for k in group], [dims[k] for k in group],
+                                  self.size)
+            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2, 0))
+            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2))
+            parts = unpack_by_rank(buffer, [arrays[k].shape for k in group],
+                                   [dims[k] for k in group], self.size)
+            for k, part in zip(group, parts, strict=True):
+                out[k] = part
+        return out
+
+    def scattered(self, grads: list, dims: list) -> list:
+        """One layer's gradients, summed over ranks and sharded on ``dims``, one collective.
+
+        ``grads`` are what each rank's part of the computation contributes (global shapes,
+        sums pending); those with a dim in ``dims`` are packed and reduced as one buffer
+        per dtype, the rest left to XLA (NOTE [One collective per layer]).
+        """
+        out = list(grads)
+        for group in _by_dtype(grads, dims):
+            buffer = pack_by_rank([grads[k] for k in group], [dims[k] for k in group],
+                                  self.size)
+            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2, 0))
+            parts = unpack_by_rank(buffer, [grads[k].shape for k in group],
+                                   [dims[k] for k in group], self.size)
+            for k, part in zip(group, parts, strict=True):
+                out[k] = jax.lax.with_sharding_constraint(
+                    part, self.sharding(part.ndim, dims[k]))
+        return out
 
     def leaf_dims(self, n: int) -> tuple:
         """Per leaf, the dimension sharded over the axis."""
@@ -227,3 +313,12 @@ class OnMesh:
             return [o.addressable_data(0) for o in compiled(*jtu.tree_unflatten(tree, arrays))]
 
         return run
+
+
+def _by_dtype(arrays, dims) -> list[list[int]]:
+    """Indices of the sharded arrays (a dim in ``dims``), grouped by dtype in first order."""
+    groups: dict = {}
+    for k, (a, d) in enumerate(zip(arrays, dims, strict=True)):
+        if d is not None:
+            groups.setdefault(jnp.dtype(a.dtype), []).append(k)
+    return list(groups.values())

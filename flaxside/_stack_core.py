@@ -14,6 +14,11 @@ segment of parameters or gradients.
 Memory is the same as nested remat-scan: the forward keeps ``lengths[0]`` carries; the
 backward of one outer segment recomputes its ``lengths[1]`` carries, and so on; the
 innermost level keeps, per layer, what ``policy`` saves (the carry alone by default).
+
+Over a mesh (a program placed ``OnMesh`` whose parameter leaves are sharded), every level
+reads layer ``i`` gathered as one buffer and reduces its gradient as one buffer: one
+collective per layer and direction, where XLA's partitioner would gather and reduce each
+parameter on its own (NOTE [One collective per layer] in ``_placement.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flaxside._placement import sharded_dims
 from flaxside._specs import Learned
 from flaxside._vjp_leaves import label_leaves
 
@@ -37,6 +43,30 @@ def _take(stack, i):
 
 def _put(stack, i, value):
     return jtu.tree_map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), stack, value)
+
+
+def _layer_access(params, n_layout: int) -> tuple[Callable, Callable]:
+    """``(layer, layer_grads)``: how a level reads layer ``i`` and hands back its gradient.
+
+    Off a mesh, ``layer(flat, i)`` is the slice and ``layer_grads`` the identity. Inside a
+    program over a mesh whose leaves ``params`` are, sharded on a dimension past the layer
+    axes, the slice is gathered as one buffer and the gradient reduced as one (NOTE [One
+    collective per layer]); a leaf sharded on a layer axis, or not known, is left to XLA.
+    """
+    leaves, treedef = jtu.tree_flatten(params)
+    placement, dims = sharded_dims(leaves)
+    dims = [None if d is None or d < n_layout else d - n_layout for d in dims]
+    if placement is None or all(d is None for d in dims):
+        return _take, lambda g: g
+
+    def layer(flat, i):
+        return jtu.tree_unflatten(treedef, placement.gathered(
+            jtu.tree_leaves(_take(flat, i)), dims))
+
+    def layer_grads(g):
+        return jtu.tree_unflatten(treedef, placement.scattered(jtu.tree_leaves(g), dims))
+
+    return layer, layer_grads
 
 
 def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy=None,
@@ -76,10 +106,11 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
     # Layers per child segment at each level; the innermost level's children are layers.
     child = tuple(math.prod(lengths[k + 1 :]) for k in range(levels))
     checkpointed = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
+    layer, layer_grads = _layer_access(params, len(layout))
 
     def run(flat, consts, start, count, c):
         def body(t, c):
-            return layer_fn(_take(flat, start + t), c, consts, start + t)
+            return layer_fn(layer(flat, start + t), c, consts, start + t)
 
         return lax.fori_loop(0, count, body, c)
 
@@ -91,7 +122,7 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
         # how to rebuild a layer's VJP from them, as the trace of one layer learned it.
         def body(c, t):
             i = start + t
-            p = _take(flat, i)
+            p = layer(flat, i)
             out, vjp = jax.vjp(lambda p, c: checkpointed(p, c, consts, i), p, c)
             leaves, treedef = jtu.tree_flatten(vjp)
             known = {id(i): ("i", 0)}
@@ -110,11 +141,11 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
             ct, grads = state
             t, residuals = xs
             i = start + t
-            pools = {"i": [i], "p": jtu.tree_leaves(_take(flat, i)), "res": residuals,
+            pools = {"i": [i], "p": jtu.tree_leaves(layer(flat, i)), "res": residuals,
                      "k": jtu.tree_leaves(consts)}
             leaves = [pools[kind][k] for kind, k in sources]
             g, ct = jtu.tree_unflatten(treedef, leaves)(ct)
-            return (ct, _put(grads, i, g)), None
+            return (ct, _put(grads, i, layer_grads(g))), None
 
         xs = (jnp.arange(lengths[-1]), saved)
         return lax.scan(body, (ct, grads), xs, reverse=True)[0]
