@@ -121,9 +121,13 @@ def _check_benchmark(done, out) -> None:
         # The floor runs the programs the bridge compiled, one per order and kind.
         assert all(p["compiled"] == 1 and p["runs"] >= 1 for p in r["programs"]), r
     assert max(p["order"] for p in higher["PINN"]["programs"]) == 3
-    (shard,) = results["shard"]  # 2 processes: sharded, fully_shard whole, pure JAX SPMD
+    (shard,) = results["shard"]  # 2 processes, four contestants
     assert shard["mismatch"] < 1e-4, shard["losses"]
-    assert set(shard["times"]) == {"sharded", "fully_shard whole", "pure JAX SPMD"}
+    assert set(shard["times"]) == {"sharded", "sharded remat_stack", "fully_shard whole",
+                                   "pure JAX SPMD"}
+    # remat_stack's loops: one collective per forward iteration (the packed gather).
+    stack = shard["programs"][0]["sharded remat_stack"]
+    assert stack["forward_with_residuals"]["in_loops"] == 1, stack
 
 
 def _check_pinn(done, out) -> None:

@@ -15,7 +15,9 @@ state of them, a module whose kernels carry Flax partitioning metadata (``tagged
 a ``remat_scan`` Transformer block trained beside its torch twin (``transformer``), and
 what a second derivative and ``vmap`` of the block raise (``refusals``), and whether its
 deep copy computes the same and what a pickled copy raises (``copies``), and what
-``torch.compile``, ``load_state_dict(assign=True)`` and in-place writes give (``habits``); then
+``torch.compile``, ``load_state_dict(assign=True)`` and in-place writes give (``habits``),
+and a ``flaxside.remat_stack`` block of the same layers trained alone, with the collectives
+of each loop body of its programs and of the ``remat_scan`` block's (``stack``); then
 it saves the trained model with
 torch.distributed.checkpoint to ``OUT.dcp``, and loads ``OUT.ref-dcp`` (written by the
 reference) into a fresh model, saving what it loaded to ``OUT.RANK.loaded.pt``. With
@@ -38,8 +40,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+import flaxside  # noqa: E402
 from tests.support import pipeline  # noqa: E402
-from tests.support.twins import ReadmeDeep  # noqa: E402
+from tests.support.twins import ReadmeBlock, ReadmeDeep  # noqa: E402
 from tests.support.twins_parity import TWINS  # noqa: E402
 from torchside import FlaxModule, shard  # noqa: E402
 from torchside.parity import copy_weights  # noqa: E402
@@ -266,6 +269,57 @@ def gathers(owner) -> dict:
     return counts
 
 
+def loop_collectives(owner) -> dict:
+    """Per executable the block ran: per loop body, ``(all-gathers, reductions)`` in it."""
+    counts = {}
+    for _, kind, compiled in pipeline.executables_run(owner):
+        text = compiled.as_text()
+        bodies = set(re.findall(r"\bbody=%([\w.\-]+)", text))
+        found = []
+        for computation in re.split(r"\n(?=[%A-Z])", text):
+            name = re.match(r"(?:ENTRY )?%([\w.\-]+)", computation.split("\n", 1)[0])
+            if name and name.group(1) in bodies:
+                found.append((
+                    len(re.findall(r"\ball-gather(?:-start)?\(", computation)),
+                    len(re.findall(r"\b(?:all-reduce|reduce-scatter)(?:-start)?\(",
+                                   computation))))
+        counts[kind] = found
+    return counts
+
+
+def stack(sharded: bool, device: str, rank: int, world: int, remat_scan_block) -> dict:
+    """A ``flaxside.remat_stack`` of the same 8 layers as ``block()``, sharded or whole,
+    trained 3 SGD steps on this rank's rows; its parameters (gathered) before and after,
+    and the collectives of each loop body of its programs and of ``remat_scan_block``'s
+    (NOTE [One collective per layer] in ``flaxside/_placement.py``)."""
+
+    def make():
+        return FlaxModule(flaxside.remat_stack(ReadmeBlock, 8, lengths=LENGTHS, width=WIDTH),
+                          example_args=(torch.zeros(BATCH, WIDTH),), seed=11)
+
+    if sharded:
+        with torch.device("meta"):
+            module = make()
+        shard(module)
+        module.to_empty(device=device)
+        module.reset_parameters()
+    else:
+        module = make().to(device)
+    out = {"initial": full(module)}
+    gen = torch.Generator().manual_seed(4)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
+        opt.zero_grad()
+        module(x[rows]).square().mean().backward()
+        opt.step()
+    out["final"] = full(module)
+    out["loops"] = loop_collectives(module)
+    out["remat_scan_loops"] = loop_collectives(remat_scan_block)
+    return out
+
+
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor's local shard)."""
     return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
@@ -308,6 +362,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
     report["tagged"] = tagged(sharded, device, x[rank * BATCH // world:][: BATCH // world])
     report["transformer"] = transformer(sharded, device, rank, world)
+    report["stack"] = stack(sharded, device, rank, world, model[1])
     before = full(model)
     report["refusals"] = refusals(model[1], torch.randn(BATCH // world, WIDTH).to(device))
     report["unchanged"] = all(torch.equal(v, before[n]) for n, v in full(model).items())

@@ -13,7 +13,9 @@ plus a layer and activations against the whole block's; training ends where the 
 ends, with the same global gradient norms from ``clip_grad_norm_``; Flax's partitioning metadata
 (``nn.with_partitioning``, ``nn.with_logical_partitioning`` with axis rules) picks the
 dimension a parameter is sharded on; a ``remat_scan`` Transformer block of 8 layers trains
-3 AdamW steps like one process and like its torch twin under FSDP2; a second derivative
+3 AdamW steps like one process and like its torch twin under FSDP2; a ``flaxside.remat_stack``
+block trains like one process with one all-gather (and one reduction) per layer in each
+loop body, where the ``remat_scan`` block has one per parameter; a second derivative
 and ``torch.func`` are refused by name; a deep copy stays sharded; and
 ``torch.distributed.checkpoint`` reshards both ways (2 ranks -> 1 process, 1 -> 2).
 """
@@ -131,6 +133,24 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         initial, twin = t["twin_initial"], t["twin_final"]
         assert set(t["flax_as_twin"]) == set(twin) and len(twin) > 8
         _close_steps(t["flax_as_twin"], twin, initial, 1e-2, f"transformer twin, rank {r}")
+    # flaxside.remat_stack's layers: one all-gather per layer (and one reduction of its
+    # gradients) in every loop body, where XLA left alone gathers each parameter of the
+    # remat_scan block on its own; trained like one process.
+    s_ref = reference["stack"]
+    for r, report in enumerate(ranks):
+        s = report["stack"]
+        for name, value in s_ref["initial"].items():
+            assert torch.equal(s["initial"][name], value), (r, name)
+        _close(s["final"], s_ref["final"], f"remat_stack on rank {r}")
+        assert set(s["loops"]) == {"forward_with_residuals", "backward"}, s["loops"]
+        for kind, bodies in s["loops"].items():
+            assert any(gathers for gathers, _ in bodies), (kind, bodies)
+            assert all(gathers <= 1 and reductions <= 1 for gathers, reductions in bodies), (
+                kind, bodies)
+        assert any(r for _, r in s["loops"]["backward"]), s["loops"]  # gradients reduced
+        # The negative control: the same count on the remat_scan block finds a gather per
+        # parameter (six per layer) in a loop body.
+        assert max(g for bodies in s["remat_scan_loops"].values() for g, _ in bodies) > 1
     # Flax's partitioning metadata picks the sharded dimension (directly and through
     # logical axis rules); the rest FSDP-style, on the last that divides.
     # Every one is halved on its first dimension: a kernel's by the metadata (else its

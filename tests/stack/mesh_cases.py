@@ -1,0 +1,162 @@
+"""``remat_stack`` over a mesh: one collective per layer, run by test_mesh_collectives.py.
+
+Not collected by the main run (no ``test_`` prefix): ``test_mesh_collectives.py`` runs this
+file with pytest in a subprocess with two host devices, which JAX takes only at start.
+Each case builds a ``flaxside`` program of a stack placed ``OnMesh`` over the two devices
+(parameters sharded FSDP-style on their last dimension that divides, the batch on its
+first), runs its compiled programs on global arrays, and checks them against the same
+program on one device, and each loop body's collectives (NOTE [One collective per layer]
+in ``flaxside/_placement.py``).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flaxside
+from flaxside.internal import ARRAY, LeafSpec, OnMesh, Program, flat_apply, unpack
+from tests.support.twins import ReadmeBlock
+
+jtu = jax.tree_util
+N = 2
+LOOP_COLLECTIVES = (r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                    r"(?:-start)?\(")
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+def _fsdp_dim(shape):
+    """The dimension ``torchside.shard`` picks without metadata: the last that divides."""
+    for d in reversed(range(len(shape))):
+        if shape[d] % N == 0 and shape[d] >= N:
+            return d
+    return None
+
+
+def _programs(fn, leaves, batch_leaves: int, dims=None):
+    """The program ``OnMesh`` (local specs) and on one device, and the leaves' dims.
+
+    ``dims``: per variable leaf its sharded dimension (default: ``_fsdp_dim``'s).
+    """
+    mesh = Mesh(np.array(jax.devices()[:N]), ("s",))
+    n_vars = len(leaves) - batch_leaves
+    if dims is None:
+        dims = [_fsdp_dim(x.shape) for x in leaves[:n_vars]]
+    dims = tuple(dims) + (0,) * batch_leaves
+    batch = (False,) * n_vars + (True,) * batch_leaves
+
+    def local(x, d):
+        shape = list(x.shape)
+        if d is not None:
+            shape[d] //= N
+        return LeafSpec(tuple(shape), np.dtype(x.dtype), True)
+
+    sharded = Program(fn, [local(x, d) for x, d in zip(leaves, dims, strict=True)],
+                      placement=OnMesh(mesh, "s", dims, batch))
+    whole = Program(fn, [LeafSpec(x.shape, np.dtype(x.dtype), True) for x in leaves])
+    placed = [jax.device_put(x, NamedSharding(mesh, P(*[("s" if k == d else None)
+                                                         for k in range(x.ndim)])))
+              for x, d in zip(leaves, dims, strict=True)]
+    return sharded, whole, placed, mesh, batch, dims
+
+
+def _run(program, leaves, ct, call):
+    out = call(program, "forward_with_residuals")(leaves)
+    n, rmap = len(program.out_specs), program.residual_map()
+    buffers = call(program, "backward")([leaves[j] for j in rmap.saved_inputs],
+                                         [out[k] for k in rmap.saved_outputs], out[n:], [ct])
+    return out[0], unpack(buffers, program.grad_pack)
+
+
+def _loop_collectives(program) -> dict:
+    """Per program kind, per while-loop body, the collective ops in it."""
+    counts = {}
+    for kind in ("forward_with_residuals", "backward"):
+        text = program.compiled(kind).as_text()
+        bodies = set(re.findall(r"\bbody=%([\w.\-]+)", text))
+        counts[kind] = [
+            re.findall(LOOP_COLLECTIVES, c) for c in re.split(r"\n(?=[%A-Z])", text)
+            if (m := re.match(r"(?:ENTRY )?%([\w.\-]+)", c)) and m.group(1) in bodies]
+    return counts
+
+
+def _check(fn, leaves, batch_leaves: int = 1, dims=None):
+    sharded, whole, placed, mesh, batch, _ = _programs(fn, leaves, batch_leaves, dims)
+    rng = np.random.default_rng(1)
+    out_shape = jax.eval_shape(lambda ls: fn(ls)[0], leaves)
+    ct = jnp.asarray(rng.standard_normal(out_shape.shape), jnp.float32)
+    got_y, got_g = _run(sharded, placed, jax.device_put(ct, NamedSharding(mesh, P("s"))),
+                        lambda p, kind: p.compiled(kind))
+    want_y, want_g = _run(whole, leaves, ct, lambda p, kind: p.executable(kind))
+    # One program partitioned two ways: float32 sums in another order, scaled.
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5,
+                               atol=1e-6 * float(jnp.abs(want_y).max()))
+    for g, w, b in zip(got_g, want_g, batch, strict=True):
+        g = g if b else g * N  # FSDP's mean over ranks for what is not in the batch
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+    return _loop_collectives(sharded)
+
+
+def _linen(width: int, lengths, policy=None):
+    stack = flaxside.remat_stack(ReadmeBlock, int(np.prod(lengths)), lengths=lengths,
+                                 policy=policy, width=width)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, width)), jnp.float32)
+    variables = stack.init(jax.random.key(0), x)
+    leaves, treedef = jtu.tree_flatten(variables)
+    _, args = jtu.tree_flatten(((x,), {}))
+    fn = flat_apply(lambda v, *a: (stack.apply(v, *a), [], None), treedef, args, (ARRAY,))
+    return fn, [*leaves, x]
+
+
+def _one_gather_per_layer(counts) -> None:
+    for kind, bodies in counts.items():
+        assert any("all-gather" in ops for ops in bodies), (kind, bodies)
+        for ops in bodies:
+            assert ops.count("all-gather") <= 1, (kind, bodies)
+            assert ops.count("all-reduce") + ops.count("reduce-scatter") <= 1, (kind, bodies)
+            assert not set(ops) - {"all-gather", "all-reduce", "reduce-scatter"}, (kind, ops)
+
+
+@pytest.mark.parametrize(("lengths", "policy"), [((2, 4), None), ((8,), "dots_saveable")],
+                         ids=["two-levels", "one-level-dots"])
+def test_a_linen_stack_gathers_each_layer_in_one_collective(lengths, policy):
+    _one_gather_per_layer(_check(*_linen(16, lengths, policy)))
+
+
+def test_an_nnx_stack_gathers_each_layer_in_one_collective():
+    stack = flaxside.remat_stack(NnxBlock, 4, lengths=(2, 2), rngs=nnx.Rngs(0), width=16)
+    graphdef, state = nnx.split(stack)
+    leaves, treedef = jtu.tree_flatten(state)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, 16)), jnp.float32)
+
+    def fn(ls):
+        model = nnx.merge(graphdef, jtu.tree_unflatten(treedef, ls[:-1]))
+        return model(ls[-1]), [], None
+
+    _one_gather_per_layer(_check(fn, [*leaves, x]))
+
+
+def test_a_parameter_sharded_on_a_layer_axis_is_left_to_xla():
+    """A leaf sharded on a layer axis (as ``torchside.shard`` does where no other dimension
+    divides): a layer is one rank's, so XLA moves it; the rest is still packed."""
+    fn, leaves = _linen(16, (2, 4))
+    dims = [_fsdp_dim(x.shape) for x in leaves[:-1]]
+    dims[0] = 1  # the first leaf, (2, 4, 16), on its inner layer axis
+    counts = _check(fn, leaves, dims=dims)
+    # One packed gather per loop body, and XLA's own moves of the layer-sharded leaf.
+    assert all(ops.count("all-gather") <= 2 for bodies in counts.values() for ops in bodies)
+    assert any(ops.count("all-gather") == 1 for bodies in counts.values() for ops in bodies)
