@@ -7,9 +7,6 @@ default device set to the one the tensors are not on, on both exchange routes. T
 of this file checks the device table and tensors on devices JAX cannot share memory with.
 """
 
-import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import flax.linen as nn
@@ -18,7 +15,7 @@ import torch
 
 import bridge
 from bridge import _devices
-from tests.support import ROOT, subprocess_env
+from tests.support import ROOT, pytest_in_subprocess, subprocess_env
 from tests.support.twins import TanhMLP
 from torchside import FlaxModule, jax_function
 
@@ -28,17 +25,10 @@ def test_every_case_on_two_host_devices_with_the_default_elsewhere(exchange, tmp
     env = subprocess_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                           "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:1",
                           "FLAXTORCH_TEST_TORCH_DEVICE": "cpu", "FLAXTORCH_EXCHANGE": exchange})
-    log = tmp_path / "cases.log"
-    with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the child
-        code = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-             str(ROOT / "tests" / "devices" / "cases.py")],
-            cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=600).returncode
-    out = log.read_text()
+    code, out, counts = pytest_in_subprocess(ROOT / "tests" / "devices" / "cases.py", env,
+                                             tmp_path / "cases.log")
     assert code == 0, out[-6000:]
-    summary = out.strip().splitlines()[-1]
-    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (\w+)", summary))
-    assert set(counts) == {"passed"} and counts["passed"] >= 18, summary  # no skip, no xfail
+    assert set(counts) == {"passed"} and counts["passed"] >= 18, counts  # no skip, no xfail
 
 
 # -- the device table -------------------------------------------------------------------

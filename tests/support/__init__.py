@@ -19,6 +19,9 @@
 """
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
@@ -31,3 +34,22 @@ def subprocess_env(extra: dict | None = None) -> dict:
     """
     return {**os.environ, **(extra or {}),
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def pytest_in_subprocess(path: Path, env: dict, log: Path) -> tuple[int, str, dict]:
+    """Runs pytest on ``path`` in a child process with ``env`` (``subprocess_env``'s).
+
+    For cases that need a fresh JAX (two host devices, set by ``XLA_FLAGS`` before JAX
+    starts). Output goes to ``log``, a file, not a pipe: a full pipe would block the child.
+
+    Returns:
+        ``(exit code, output, {"passed": n, ...})`` from pytest's summary line.
+    """
+    with open(log, "w") as sink:
+        code = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(path)],
+            cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=600).returncode
+    out = log.read_text()
+    lines = out.strip().splitlines()
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", lines[-1] if lines else "")}
+    return code, out, counts

@@ -101,14 +101,7 @@ def transformer(sharded: bool, device: str, rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     mapping = TWIN.stack_mapping("remat_scan", T_LENGTHS)
-    if sharded:
-        with torch.device("meta"):
-            flax = _transformer_block()
-        shard(flax)
-        flax.to_empty(device=device)
-        flax.reset_parameters()
-    else:
-        flax = _transformer_block().to(device)
+    flax = materialized(_transformer_block, sharded, device)
     twin = TWIN.torch_stack(int(math.prod(T_LENGTHS)), "float32")
     copy_weights(_transformer_block().flax_variables(), twin, mapping)
     twin.to(device)
@@ -218,15 +211,24 @@ def torch_layers():
     return torch.nn.Linear(4, WIDTH), torch.nn.Linear(WIDTH, 1)
 
 
+def materialized(make, sharded: bool, device: str) -> FlaxModule:
+    """``make()`` built on ``device``; sharded: built on meta, ``shard``-ed, then each
+    rank's shards initialized (``to_empty``, ``reset_parameters``)."""
+    if not sharded:
+        return make().to(device)
+    with torch.device("meta"):
+        module = make()
+    shard(module)
+    module.to_empty(device=device)
+    module.reset_parameters()
+    return module
+
+
 def build(sharded: bool, device: str = "cpu") -> torch.nn.Sequential:
     first, last = torch_layers()
     if not sharded:
         return torch.nn.Sequential(first, block(), last).to(device)
-    with torch.device("meta"):
-        flax = block()
-    shard(flax)
-    flax.to_empty(device=device)
-    flax.reset_parameters()
+    flax = materialized(block, sharded, device)
     from torch.distributed.fsdp import fully_shard
 
     model = torch.nn.Sequential(first.to(device), flax, last.to(device))
@@ -297,14 +299,7 @@ def stack(sharded: bool, device: str, rank: int, world: int, remat_scan_block) -
         return FlaxModule(flaxside.remat_stack(ReadmeBlock, 8, lengths=LENGTHS, width=WIDTH),
                           example_args=(torch.zeros(BATCH, WIDTH),), seed=11)
 
-    if sharded:
-        with torch.device("meta"):
-            module = make()
-        shard(module)
-        module.to_empty(device=device)
-        module.reset_parameters()
-    else:
-        module = make().to(device)
+    module = materialized(make, sharded, device)
     out = {"initial": full(module)}
     gen = torch.Generator().manual_seed(4)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
