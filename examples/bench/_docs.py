@@ -77,6 +77,8 @@ def machine() -> list[str]:
                          ("torch", "jax", "jaxlib", "flax", "numpy", "transformers")
                          if (v := _version(name)) is not None)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    gpus = ([f"- GPU: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible), "
+             f"CUDA {torch.version.cuda}"] if torch.cuda.is_available() else [])
     return [
         f"- date: {now}",
         f"- code: {_commit()}",
@@ -84,6 +86,7 @@ def machine() -> list[str]:
         f"{torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}",
         f"- versions: {versions}",
+        *gpus,
     ]
 
 

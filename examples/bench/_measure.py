@@ -30,6 +30,20 @@ _COMPILE_EVENTS = frozenset(
 )
 _compile_seconds = [0.0]
 
+# Where every contestant runs: "cpu", or "cuda" (``benchmark.py --device cuda``), set once
+# before any contestant is built. On "cuda" a call ends with torch.cuda.synchronize(), so
+# that the time of a call is the time of its kernels and not of their launch.
+DEVICE = ["cpu"]
+
+
+def set_device(device: str) -> None:
+    DEVICE[0] = device
+
+
+def sync() -> None:
+    if DEVICE[0] == "cuda":
+        torch.cuda.synchronize()
+
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
     if event in _COMPILE_EVENTS:
@@ -99,7 +113,8 @@ def torch_inputs(workload) -> tuple[torch.Tensor, torch.Tensor]:
     shares a user's torch-allocated one (``bridge.is_zero_copy``), so a wrapped input would
     make the bridge's rows depend on where numpy happened to place it.
     """
-    return torch.tensor(workload.x, requires_grad=True), torch.tensor(workload.cotangent)
+    return (torch.tensor(workload.x, device=DEVICE[0], requires_grad=True),
+            torch.tensor(workload.cotangent, device=DEVICE[0]))
 
 
 class Contestant:
@@ -140,18 +155,19 @@ class Bridge(Contestant):
 
     def __init__(self, workload):
         self.name = "bridge"
-        self.module = FlaxModule(workload.module, variables=workload.variables)
+        self.module = FlaxModule(workload.module, variables=workload.variables).to(DEVICE[0])
         self.x, self.cotangent = torch_inputs(workload)
         self.params = [*self.module.parameters(), self.x]
 
     def call(self) -> None:
         y = self.module(self.x)
         y.backward(self.cotangent)
+        sync()
         self.last = y.detach()
 
     def output(self) -> np.ndarray:
         """The output of the last call."""
-        return self.last.numpy()
+        return self.last.cpu().numpy()
 
 
 class PureJax(Contestant):
@@ -166,7 +182,8 @@ class PureJax(Contestant):
 
         self.step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         self.forward = jax.jit(apply)
-        self.args = jax.device_put((workload.variables, workload.x, workload.cotangent))
+        device = jax.devices("gpu" if DEVICE[0] == "cuda" else "cpu")[0]
+        self.args = jax.device_put((workload.variables, workload.x, workload.cotangent), device)
 
     def call(self) -> None:
         jax.block_until_ready(self.step(*self.args))
@@ -190,7 +207,7 @@ class TorchEager(Contestant):
             mode
         ]
         self.mode = mode
-        self.layers = torch.nn.Sequential(*layers)
+        self.layers = torch.nn.Sequential(*layers).to(DEVICE[0])
         self.x, self.cotangent = torch_inputs(workload)
         self.params = [*self.layers.parameters(), self.x]
         # sqrt(depth) segments: the classic memory-optimal split (Chen et al. 2016).
@@ -208,8 +225,9 @@ class TorchEager(Contestant):
     def call(self) -> None:
         y = self.forward(self.x)
         y.backward(self.cotangent)
+        sync()
         self.last = y.detach()
 
     def output(self) -> np.ndarray:
         """The output of the last call."""
-        return self.last.numpy()
+        return self.last.cpu().numpy()

@@ -98,6 +98,13 @@ def parse_args(argv=None):
         help="also write the tables as the benchmark block of this markdown file "
              "(docs/benchmarks.md: full runs of every part only)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where torch tensors and pure JAX run: cuda times the workloads, the depth sweep "
+             "and the leaf sweep on GPU 0 (lm, higher and shard run on CPU only)",
+    )
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # child -> parent
     return parser.parse_args(argv)
 
@@ -119,7 +126,7 @@ import _docs  # noqa: E402
 from _higher import higher_rows  # noqa: E402
 from _leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
 from _lm import lm_rows, print_lm  # noqa: E402
-from _measure import Bridge, PureJax, TorchEager, race  # noqa: E402
+from _measure import Bridge, PureJax, TorchEager, race, set_device  # noqa: E402
 from _report import (  # noqa: E402
     fmt_time,
     plot_sweep,
@@ -326,16 +333,25 @@ def main() -> None:
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     size = SIZES[size_name]
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    if args.device == "cuda":
+        cpu_only = sorted(set(parts) & {"lm", "higher", "shard"})
+        if cpu_only:
+            raise SystemExit(f"benchmark.py: --device cuda got --only parts {cpu_only}, which "
+                             f"run on CPU only; leave them out (e.g. --only "
+                             f"tiny,medium,deep,leaves,sweep,leafsweep).")
+        set_device("cuda")
     if args.docs:
         every = set(parts) >= set(parse_args([]).only.split(","))
         _docs.check_target(args.docs, script="benchmark.py",
-                           full=size_name == "full" and every and args.cpu_dispatch == "async")
+                           full=size_name == "full" and every and args.cpu_dispatch == "async"
+                           and args.device == "cpu")
     os.makedirs(args.out, exist_ok=True)
     print(
         f"flaxtorch benchmark ({size_name}): jax {jax.__version__}, flax {flax.__version__}, "
         f"torch {torch.__version__}, numpy {np.__version__}; {os.cpu_count()} CPU cores, "
         f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY')}, JAX CPU dispatch {args.cpu_dispatch}",
+        f"{os.environ.get('OMP_WAIT_POLICY')}, JAX CPU dispatch {args.cpu_dispatch}, "
+        f"device {args.device}",
         flush=True,
     )
     start = time.perf_counter()
@@ -345,7 +361,8 @@ def main() -> None:
         t0 = time.perf_counter()
         results["workloads"].append(run_workload(w, size))
         print(f"  {w.name}: {w.describe()}: {time.perf_counter() - t0:.0f} s", flush=True)
-    sync_row = size["sync_row"] and not args.no_sync_row and args.cpu_dispatch == "async"
+    sync_row = (size["sync_row"] and not args.no_sync_row and args.cpu_dispatch == "async"
+                and args.device == "cpu")
     if "tiny" in parts and sync_row:
         row = sync_tiny_row(size_name)
         if row is not None:
@@ -364,7 +381,8 @@ def main() -> None:
     if "leafsweep" in parts:
         print(f"  leaf-count sweep over {size['leaf_counts']}", flush=True)
         results["leaf_sweep"] = leaf_sweep(
-            size["leaf_counts"], budget=size["budget"] / 2, min_repeats=size["min_repeats"]
+            size["leaf_counts"], budget=size["budget"] / 2, min_repeats=size["min_repeats"],
+            device=args.device,
         )
     print(f"measured in {time.perf_counter() - start:.0f} s\n")
     if args.json:
@@ -393,7 +411,8 @@ def main() -> None:
         body = [f"Produced by `{_docs.command()}` ({size_name} size, measured in "
                 f"{time.perf_counter() - start:.0f} s).", "", *_docs.machine(), "",
                 *(t.strip() + "\n" for t in tables if t)]
-        _docs.write_block(args.docs, "benchmark", "\n".join(body))
+        block = "benchmark" if args.device == "cpu" else f"benchmark_{args.device}"
+        _docs.write_block(args.docs, block, "\n".join(body))
         print(f"wrote the benchmark block of {args.docs}")
 
 
