@@ -70,5 +70,12 @@ def record_ordering():
 
 
 def current_stream(device: torch.device) -> int | None:
-    """The current CUDA stream of torch on ``device`` (``None`` on CPU)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    """The current CUDA stream of torch on ``device``, as DLPack names it (``None`` on CPU).
+
+    The legacy default stream, whose handle is 0, is 1 in DLPack's ``stream=`` (0 is not a
+    valid value there): the number ``torch.from_dlpack`` passes to a producer's ``__dlpack__``.
+    """
+    if device.type != "cuda":
+        return None
+    handle = torch.cuda.current_stream(device).cuda_stream
+    return 1 if handle == 0 and torch.version.hip is None else handle

@@ -22,10 +22,16 @@ What this shows, on a machine with a CUDA GPU and a CUDA build of jaxlib:
 
 Without a GPU it says so and exits 0.
 
+Each part prints its rows as it finishes; a part that runs past ``--timeout`` seconds is
+stopped and reported as such, so that one hang does not hide the rest. ``--log DIR`` keeps
+each part's whole output (tracebacks included) in DIR.
+
 How to run:
     python examples/gpu_check.py
+    python examples/gpu_check.py --log gpu_logs --timeout 240 --skip leaves
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -55,21 +61,57 @@ def _env(extra: dict) -> dict:
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def pytest_rows(args: list[str], label: str = "", env: dict | None = None) -> tuple[list, int]:
-    """Runs pytest in a subprocess; a ``(test, status)`` row per test, and the exit code."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args],
-        cwd=ROOT, env=_env(env or {}), capture_output=True, text=True)
+LOG_DIR: Path | None = None  # --log: each part's whole output is kept there
+TIMEOUT = 900.0  # --timeout: seconds for one part, so that one hang cannot eat the rest
+
+
+def _keep(name: str, text: str) -> None:
+    if LOG_DIR is not None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        (LOG_DIR / name).write_text(text)
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def _show(rows: list) -> None:
+    """Prints rows as soon as a part has them: a run cut short still shows what it got."""
+    for name, status in rows:
+        print(f"  {status:8}  {name}", flush=True)
+
+
+def pytest_rows(args: list[str], label: str = "", env: dict | None = None,
+                log: str = "pytest.txt") -> tuple[list, int]:
+    """Runs pytest in a subprocess; a ``(test, status)`` row per test, and the exit code.
+
+    Verbose, so that a part stopped at ``TIMEOUT`` still names each test it finished; the
+    failures' short tracebacks are printed, and everything is kept under ``--log``.
+    """
+    command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider",
+               *args]
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=_env(env or {}), capture_output=True,
+                                text=True, timeout=TIMEOUT)
+        out, err, code = result.stdout, result.stderr, result.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, code = _text(e.stdout), _text(e.stderr), None
+    _keep(log, out + "\n" + err)
     rows = []
-    for line in result.stdout.splitlines():
-        for status in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"):
-            if line.startswith(status + " "):
-                name = line[len(status) + 1:].split(" - ")[0]
-                rows.append((f"{name}{f' [{label}]' if label else ''}", status))
-    if result.returncode not in (0, 5) and not rows:  # 5: nothing collected
-        rows.append((f"pytest {' '.join(args)} {label}", f"exit {result.returncode}"))
-        print(result.stdout[-3000:], result.stderr[-3000:], sep="\n")
-    return rows, result.returncode
+    for line in out.splitlines():
+        test, _, rest = line.partition(" ")
+        status = rest.split(" ")[0]
+        if "::" in test and status in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"):
+            rows.append((f"{test}{f' [{label}]' if label else ''}", status))
+    if code is None:
+        rows.append((f"pytest {' '.join(args)} {label}", f"timed out after {TIMEOUT:.0f} s"))
+    elif code not in (0, 5) and not rows:  # 5: nothing collected
+        rows.append((f"pytest {' '.join(args)} {label}", f"exit {code}"))
+    if code != 0 and code != 5:
+        failures = out[out.find("= FAILURES ="):] if "= FAILURES =" in out else out
+        print(failures[-6000:], err[-2000:], sep="\n", flush=True)
+    _show(rows)
+    return rows, 1 if code is None else code
 
 
 _STEP = r"""
@@ -142,8 +184,14 @@ def allocator_rows() -> list[tuple[str, str]]:
     """
     rows = []
     for variant in ("remat", "plain"):
-        result = subprocess.run([sys.executable, "-c", _STEP, variant], cwd=ROOT,
-                                env=_env({}), capture_output=True, text=True)
+        try:
+            result = subprocess.run([sys.executable, "-c", _STEP, variant], cwd=ROOT,
+                                    env=_env({}), capture_output=True, text=True,
+                                    timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            rows.append((f"training step, {variant}", f"timed out after {TIMEOUT:.0f} s"))
+            continue
+        _keep(f"step_{variant}.txt", result.stdout + "\n" + result.stderr)
         if result.returncode != 0:
             rows.append((f"training step, {variant}", f"exit {result.returncode}"))
             print(result.stderr[-3000:])
@@ -159,6 +207,7 @@ def allocator_rows() -> list[tuple[str, str]]:
              f"{mb(m['jax_peak_in_use'])} / {mb(m['jax_pool'])}"),
             (f"depth 256, {name}: GPU memory in use after the step", mb(m["gpu_used"])),
         ]
+    _show(rows)
     return rows
 
 
@@ -167,10 +216,14 @@ def sharded_example_rows() -> list:
     name = "examples/train_sharded.py, torchrun on 2 GPUs (NCCL)"
     if torch.cuda.device_count() < 2:
         return [(name, "SKIPPED (needs two GPUs)")]
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", str(ROOT / "examples" / "train_sharded.py"), "--steps", "20"],
-        env=_env({}), capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             "2", str(ROOT / "examples" / "train_sharded.py"), "--steps", "20"],
+            env=_env({}), capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return [(name, f"timed out after {TIMEOUT:.0f} s")]
+    _keep("train_sharded.txt", done.stdout + "\n" + done.stderr)
     bounded = len([line for line in done.stdout.splitlines()
                    if line.startswith("rank ") and ": yes)" in line]) == 2
     same = "computes the same outputs on every rank" in done.stdout
@@ -180,13 +233,28 @@ def sharded_example_rows() -> list:
     return [(name, f"exit {done.returncode}" if done.returncode else "FAILED")]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    global LOG_DIR, TIMEOUT
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--log", default=None, metavar="DIR",
+                        help="keep each part's whole output in this folder")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT,
+                        help="seconds one part may run before it is stopped and reported")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: "
+                        "tests, cases, allocators, sharded, leaves")
+    args = parser.parse_args(argv)
+    LOG_DIR = Path(args.log) if args.log else None
+    TIMEOUT = args.timeout
+    skip = {p.strip() for p in args.skip.split(",") if p.strip()}
     if not gpu_available():
         print("gpu_check: no CUDA GPU visible to both torch and JAX here; nothing to check.")
         return 0
-    codes = []
-    rows, code = pytest_rows(["-m", "gpu", str(ROOT / "tests")])
-    codes.append(code)
+    codes, rows = [], []
+    if "tests" not in skip:
+        print("gpu-marked tests:", flush=True)
+        more, code = pytest_rows(["-m", "gpu", str(ROOT / "tests")], log="gpu_tests.txt")
+        rows += more
+        codes.append(code)
     cases = str(ROOT / "tests" / "devices" / "cases.py")
     variants = [("cuda tensors, JAX default cpu", {"FLAXTORCH_TEST_TORCH_DEVICE": "cuda:0",
                                                    "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:0"}),
@@ -196,25 +264,30 @@ def main() -> int:
         variants.append(("cuda:1 tensors, JAX default gpu:0",
                          {"FLAXTORCH_TEST_TORCH_DEVICE": "cuda:1",
                           "FLAXTORCH_TEST_JAX_DEFAULT": "gpu:0"}))
-    for label, env in variants:
-        more, code = pytest_rows([cases], label, env)
+    for k, (label, env) in enumerate(variants if "cases" not in skip else []):
+        print(f"tests/devices/cases.py, {label}:", flush=True)
+        more, code = pytest_rows([cases], label, env, log=f"cases_{k}.txt")
         rows += more
         codes.append(code)
-    rows += allocator_rows()
-    rows += sharded_example_rows()
-    width = max(len(r[0]) for r in rows)
-    print(f"{'check'.ljust(width)}  result")
+    if "allocators" not in skip:
+        print("allocators:", flush=True)
+        rows += allocator_rows()
+    if "sharded" not in skip:
+        rows += sharded_example_rows()
+    width = max((len(r[0]) for r in rows), default=5)
+    print(f"\n{'check'.ljust(width)}  result")
     for name, status in rows:
         print(f"{name.ljust(width)}  {status}")
-    print()
-    sys.path.insert(0, str(ROOT / "examples" / "bench"))  # the benchmark's leaf sweep
-    from _leaves import leaf_sweep, print_leaf_sweep
-    from _report import fmt_time
+    print(flush=True)
+    if "leaves" not in skip:
+        sys.path.insert(0, str(ROOT / "examples" / "bench"))  # the benchmark's leaf sweep
+        from _leaves import leaf_sweep, print_leaf_sweep
+        from _report import fmt_time
 
-    print_leaf_sweep(leaf_sweep((1, 16, 256, 1024, 4096), budget=2.0, min_repeats=7,
-                                device="cuda"), fmt_time)
+        print_leaf_sweep(leaf_sweep((1, 16, 256, 1024, 4096), budget=2.0, min_repeats=7,
+                                    device="cuda"), fmt_time)
     failed = [c for c in codes if c not in (0, 5)] or [
-        1 for _, s in rows if s in ("FAILED", "ERROR") or s.startswith("exit")]
+        1 for _, s in rows if s in ("FAILED", "ERROR") or s.startswith(("exit", "timed out"))]
     return 1 if failed else 0
 
 

@@ -131,9 +131,11 @@ def _linen_reference(module, variables, x, ct, train: bool, rngs=None):
 
 
 def _raw_keys(seed: int):
-    """The key data a forward draws from torch's generator right after ``manual_seed``."""
+    """The key data a forward draws right after ``manual_seed``: from the generator of the
+    tensors' device (CUDA's draws other numbers than the CPU's for the same seed)."""
     torch.manual_seed(seed)
-    return torch.randint(-(2**31), 2**31 - 1, (1, *key_data_shape()), dtype=torch.int32)
+    return torch.randint(-(2**31), 2**31 - 1, (1, *key_data_shape()), dtype=torch.int32,
+                         device=TORCH).cpu()
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -202,7 +204,11 @@ def test_nnx_buffers_and_dropout(train):
 
 def test_nnx_module_arrays_are_not_kept_on_the_default_device():
     module = NNet(nnx.Rngs(0, dropout=1))
+    # Where a new NNX module's arrays land is flax's and JAX's choice (with jax 0.11 on a
+    # GPU machine, not the configured default device): put them there, as a user's would be.
+    nnx.update(module, jax.device_put(nnx.state(module), OTHER))
     on_default = sum(OTHER in a.devices() for a in jax.live_arrays())
+    assert on_default, f"no array on {OTHER} to begin with: the check below would be vacuous"
     layer = FlaxModule(module).to(TORCH)
     del module  # the user's copy; torch now owns the state
     gc.collect()

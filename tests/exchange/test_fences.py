@@ -68,7 +68,12 @@ def _handed_back(event, tensor) -> bool:
 
 
 def _stream(device: str):
-    return torch.cuda.current_stream().cuda_stream if device == "cuda" else None
+    """torch's current stream as DLPack's ``stream=`` names it: 1 for the legacy default
+    stream (handle 0), which is what ``torch.from_dlpack`` passes (torch/utils/dlpack.py)."""
+    if device != "cuda":
+        return None
+    handle = torch.cuda.current_stream().cuda_stream
+    return 1 if handle == 0 else handle
 
 
 @pytest.mark.parametrize("residuals", ["save", "recompute"])

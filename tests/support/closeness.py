@@ -55,13 +55,20 @@ def close(got: torch.Tensor, want, what: str, wrong=()) -> None:
 
 @contextlib.contextmanager
 def highest_precision():
-    """float32 matmuls in full float32 on both frameworks (no TF32) for the duration."""
+    """float32 matmuls in full float32 on both frameworks (no TF32) for the duration.
+
+    Set globally, not with ``jax.default_matmul_precision``'s context: JAX's contexts are
+    thread-local, and torch runs a CUDA backward on a thread of its own, where the programs
+    first compiled in a backward (derived programs, NOTE [Higher order]) would not see it.
+    """
     tf32 = torch.backends.cuda.matmul.allow_tf32
+    precision = jax.config.jax_default_matmul_precision
     torch.backends.cuda.matmul.allow_tf32 = False
+    jax.config.update("jax_default_matmul_precision", "highest")
     try:
-        with jax.default_matmul_precision("highest"):
-            yield
+        yield
     finally:
+        jax.config.update("jax_default_matmul_precision", precision)
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 

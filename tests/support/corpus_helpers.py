@@ -113,7 +113,8 @@ def _assert_tree_close(actual, expected, what: str, **tol):
     e_leaves, e_def = jtu.tree_flatten(expected)
     assert a_def == e_def, f"{what}: structure {a_def} != {e_def}"
     for i, (a, e) in enumerate(zip(a_leaves, e_leaves, strict=True)):
-        torch.testing.assert_close(a.detach(), torch.from_numpy(np.array(e)),
+        # The device was checked where the call ran; the values are compared on the CPU.
+        torch.testing.assert_close(a.detach().cpu(), torch.from_numpy(np.array(e)),
                                    msg=lambda m, i=i: f"{what} leaf {i}: {m}", **tol)
 
 
