@@ -13,7 +13,8 @@ whose unwinding through C++ frames that may not throw aborts the process ("termi
 without an active exception"; ``examples/exit_aborts.py`` counts such exits on CPU with
 ``FLAXTORCH_EXCHANGE=dlpack``). On a GPU, JAX's client may well release a
 run's inputs from a thread of its own too, once the stream has passed the run (not seen:
-no GPU has run this code), so the same wait applies there.
+the exit test passed on the one GPU run, which does not show whether the wait was needed),
+so the same wait applies there.
 
 So every import the exchange makes is recorded here as a pair of weak references, to the
 tensor object torch exported (a fresh ``detach()`` nobody else holds) and to the JAX array
