@@ -58,9 +58,13 @@ class TracedBodies:
     """The bodies ``Program`` lowers, one per program kind, and the hooks they share."""
 
     def _results(self, leaves) -> tuple[list, Structure]:
-        """``fn`` on the leaves: results (outputs then aux, never aliasing an input)."""
-        with self.placement.tracing(leaves):  # NOTE [One collective per layer]
-            out, aux, write_back = self.fn(list(leaves))
+        """``fn`` on the leaves: results (outputs then aux, never aliasing an input).
+
+        Traced at the precision the program was built with (NOTE [Precision of a
+        program]): every body, derived ones included, computes what the first computed.
+        """
+        with self.placement.tracing(leaves), jax.default_matmul_precision(self.precision):
+            out, aux, write_back = self.fn(list(leaves))  # NOTE [One collective per layer]
         out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
             check_output_leaf(leaf, out_treedef, i, self.name)

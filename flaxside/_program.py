@@ -100,6 +100,15 @@ class Program(TracedBodies):
         self.fn = fn
         self.name = name
         self.fence = fence
+        # NOTE [Precision of a program]. JAX's matmul precision (jax.config's value, or
+        # jax.default_matmul_precision's in this thread) is read once, here, where the
+        # program is built for its first call; every body is traced at it. Its context
+        # manager is thread-local and torch runs a CUDA backward on a thread of its own:
+        # read there, a backward compiled at its first use (or a derived program built
+        # in it) would compute at another precision than the forward it differentiates.
+        # A program keeps it: calls of the same signature later, at another precision,
+        # reuse the program (as a jitted function's cache would not).
+        self.precision = jax.config.jax_default_matmul_precision
         self.placement = placement = OnDevice() if placement is None else placement
         self.specs = tuple(specs)
         dims = placement.leaf_dims(len(self.specs))

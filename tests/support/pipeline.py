@@ -66,6 +66,11 @@ def executables_run(owner) -> list[tuple[str, str, object]]:
             for e in entries(owner) for kind in e._executables]
 
 
+def compiled_kinds(program) -> list[tuple[str, object]]:
+    """``(kind, jax.stages.Compiled)`` for each kind the program has compiled so far."""
+    return [(kind, program.compiled(kind)) for kind in list(program._compiled)]
+
+
 def variables_from(module, values: list):
     """The Flax variables of a ``FlaxModule`` with ``values`` as its parameter leaves.
 
