@@ -53,9 +53,13 @@ by its cast in the list the function is then called on, so a block that XLA part
 stock ``nn.scan``) reads each shard cast before the partitioner's gathers and its gradients
 come back in the leaf's dtype. A stack that owns its loop (``remat_stack``) asks
 ``program_leaves`` for the leaf behind each cast and runs on that instead: each layer's
-shards are cast before its packed gather (``gathered``), its gradients cast to
-``reduce_dtype`` before the packed reduction and back to the leaf's dtype after
-(``scattered``), as FSDP2 casts before its all-gather and reduces in ``reduce_dtype``.
+shards are cast before its packed gather (``gathered``), and its gradients are cast to
+``reduce_dtype`` and back to the leaf's dtype (``scattered``). That cast does not yet
+decide the reduction's dtype: XLA's partitioner reduces each parameter's gradient where
+the op contracting the batch makes it (an all-reduce per parameter, in that op's dtype,
+bfloat16 for a Dense kernel), before the cast; the CPU backend then combines them into
+one all-reduce per loop body. Reducing in ``reduce_dtype`` needs the layer's VJP run per
+rank (``shard_map``) with an explicit ``psum_scatter``.
 XLA's CPU backend widens bfloat16 collectives to float32 after partitioning
 (``float-normalization-bf16``, ``all-reduce-promotion``): on CPU the bytes moved stay
 float32's; GPU backends keep them.

@@ -48,10 +48,10 @@ def _put(stack, i, value):
 
 
 def _layer_access(params, n_layout: int) -> tuple[object, Callable, Callable]:
-    """``(params, layer, layer_grads)``: what the stack runs on, how a level reads layer
-    ``i`` and hands back its gradient.
+    """``(params, layer, layer_grads)``: what the stack runs on, and how it reads layer i.
 
-    Off a mesh: ``params``, the slice and the identity. Inside a program over a mesh,
+    ``layer(flat, i)`` reads layer ``i``, ``layer_grads`` hands back its gradient. Off a
+    mesh: ``params``, the slice and the identity. Inside a program over a mesh,
     each leaf of ``params`` that is one of its leaves as read (``program_leaves``) is
     replaced by the leaf the program received (a float32 shard where the function reads a
     bfloat16 cast): the slice is cast and gathered as one buffer, the gradient reduced as

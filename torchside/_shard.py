@@ -22,12 +22,11 @@ leave the block's parameters out of an enclosing ``fully_shard`` (``ignored_para
 ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` with FSDP2's meaning: the DTensor
 shards (and an optimizer's state of them) stay in their dtype; inside the program each
 floating parameter is read in ``param_dtype``, cast from the local shard before it is
-gathered, and its gradient arrives in the parameter's dtype, reduced in ``reduce_dtype``
-by a ``remat_stack``'s packed reduction (XLA's partitioner reduces other blocks' gradients
-where it places them, in the dtype they were computed in); a forward pre-hook casts
+gathered, and its gradient arrives in the parameter's dtype. ``reduce_dtype`` is not yet
+honoured: XLA's partitioner reduces each gradient where it is computed, in its compute
+dtype (NOTE [Mixed precision] in ``flaxside/_placement.py``); a forward pre-hook casts
 floating inputs to ``param_dtype`` (``cast_forward_inputs``) and a forward hook floating
-outputs to ``output_dtype``, as ``fully_shard``'s hooks do (NOTE [Mixed precision] in
-``flaxside/_placement.py``).
+outputs to ``output_dtype``, as ``fully_shard``'s hooks do.
 
 JAX's distributed runtime comes up from torch.distributed's rendezvous at the first
 ``shard``: the same ranks and world, ``MASTER_ADDR`` and a port of its own that rank 0
