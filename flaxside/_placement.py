@@ -38,12 +38,31 @@ of a scanned layer separately inside every iteration, and reduces each gradient
 separately: one collective per parameter per iteration, a round trip each. A stack that
 owns its loop (``flaxside.remat_stack``) gathers a layer as one buffer instead: while a
 program over a mesh is traced, ``OnMesh.tracing`` tells code inside which of the
-program's leaves (by identity) are sharded on which dimension (``sharded_dims``), and
+program's leaves (by identity) are sharded on which dimension (``program_leaves``), and
 ``OnMesh.gathered`` packs a layer's shards rank by rank (``pack_by_rank``: each rank's own
 shards side by side, so packing moves nothing between ranks), constrains the buffer
 replicated (one all-gather) and unpacks it; ``OnMesh.scattered`` packs the layer's
 gradients the same way and constrains the buffer sharded (one reduction). One collective
 per layer and direction, per dtype.
+
+NOTE [Mixed precision]. A placement over a mesh may read parameters in another dtype than
+they are held in, as FSDP2's ``MixedPrecisionPolicy`` does: ``OnMesh.cast`` gives per leaf
+the dtype the function reads it in (bfloat16 for float32 shards), ``reduce_dtype`` the dtype
+gradients are reduced in. While the program is traced, ``tracing`` replaces each such leaf
+by its cast in the list the function is then called on, so a block that XLA partitions (a
+stock ``nn.scan``) reads each shard cast before the partitioner's gathers and its gradients
+come back in the leaf's dtype. A stack that owns its loop (``remat_stack``) asks
+``program_leaves`` for the leaf behind each cast and runs on that instead: each layer's
+shards are cast before its packed gather (``gathered``), and its gradients are cast to
+``reduce_dtype`` and back to the leaf's dtype (``scattered``). That cast does not yet
+decide the reduction's dtype: XLA's partitioner reduces each parameter's gradient where
+the op contracting the batch makes it (an all-reduce per parameter, in that op's dtype,
+bfloat16 for a Dense kernel), before the cast; the CPU backend then combines them into
+one all-reduce per loop body. Reducing in ``reduce_dtype`` needs the layer's VJP run per
+rank (``shard_map``) with an explicit ``psum_scatter``.
+XLA's CPU backend widens bfloat16 collectives to float32 after partitioning
+(``float-normalization-bf16``, ``all-reduce-promotion``): on CPU the bytes moved stay
+float32's; GPU backends keep them.
 """
 
 from __future__ import annotations
@@ -52,6 +71,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,23 +86,38 @@ from flaxside._specs import LeafSpec
 jtu = jax.tree_util
 
 
-# While a program over a mesh is traced: (its OnMesh, {id(leaf): sharded dim}).
+class ProgramLeaf(NamedTuple):
+    """One of a mesh program's leaves, as code traced inside the program meets it.
+
+    Attributes:
+        source: the leaf as the program received it (a parameter's float32 shards).
+        dim: the dimension it is sharded on over the mesh's axis, or ``None``.
+        dtype: the dtype the function reads it in (``None``: the source's).
+    """
+
+    source: Any
+    dim: int | None
+    dtype: Any
+
+
+# While a program over a mesh is traced: (its OnMesh, {id(leaf as read): ProgramLeaf}).
 _TRACING: contextvars.ContextVar = contextvars.ContextVar("flaxside_mesh_leaves",
                                                           default=None)
 
 
-def sharded_dims(arrays) -> tuple[OnMesh | None, list]:
-    """``(placement, dims)`` for ``arrays`` traced inside a program over a mesh.
+def program_leaves(arrays) -> tuple[OnMesh | None, list]:
+    """``(placement, found)`` for ``arrays`` traced inside a program over a mesh.
 
-    ``dims``: per array, the dimension it is sharded on if it is one of the program's
-    leaves (by identity), else ``None``; ``placement`` is the program's ``OnMesh``, or
-    ``None`` outside such a trace (NOTE [One collective per layer]).
+    ``found``: per array, its ``ProgramLeaf`` if it is one of the program's leaves as the
+    function reads them (by identity) and is sharded or cast, else ``None``;
+    ``placement`` is the program's ``OnMesh``, or ``None`` outside such a trace (NOTE
+    [One collective per layer], NOTE [Mixed precision]).
     """
     tracing = _TRACING.get()
     if tracing is None:
         return None, [None] * len(arrays)
-    placement, dims = tracing
-    return placement, [dims.get(id(a)) for a in arrays]
+    placement, known = tracing
+    return placement, [known.get(id(a)) for a in arrays]
 
 
 def local_spec(traced: LeafSpec, sharding) -> LeafSpec:
@@ -169,12 +204,18 @@ class OnMesh:
             process passes the whole value).
         batch: per leaf, whether it is a batch-sharded argument (its gradient is the
             process's own; every other leaf's gradient follows FSDP's mean).
+        cast: per leaf, the dtype the function reads it in, or ``None`` (as passed);
+            empty: none is cast (NOTE [Mixed precision]).
+        reduce_dtype: the dtype a stack's packed gradient reduction runs in (``None``:
+            the gradients' own, the dtype they were computed in).
     """
 
     mesh: jax.sharding.Mesh
     axis: str
     dims: tuple[int | None, ...]
     batch: tuple[bool, ...]
+    cast: tuple = ()
+    reduce_dtype: Any = None
 
     @property
     def size(self) -> int:
@@ -186,24 +227,37 @@ class OnMesh:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def tracing(self, leaves):
-        """While the function is traced on ``leaves``: which are sharded on which dim.
+    def tracing(self, leaves: list):
+        """While the function is traced on ``leaves``: which are sharded or cast, and how.
 
-        ``sharded_dims`` reads it (NOTE [One collective per layer]).
+        Each leaf that ``cast`` names a dtype for is replaced in ``leaves`` (the bodies'
+        own list, which the function is called on inside) by its cast (NOTE [Mixed
+        precision]); ``program_leaves`` reads what is sharded or cast (NOTE [One
+        collective per layer]).
         """
-        dims = {id(x): d for x, d in zip(leaves, self.dims, strict=True) if d is not None}
-        token = _TRACING.set((self, dims))
+        casts = self.cast or (None,) * len(leaves)
+        known = {}
+        for k, (x, d, dtype) in enumerate(zip(leaves, self.dims, casts, strict=True)):
+            if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+                leaves[k] = x.astype(dtype)
+            if d is not None or leaves[k] is not x:
+                known[id(leaves[k])] = ProgramLeaf(x, d, None if leaves[k] is x else dtype)
+        token = _TRACING.set((self, known))
         try:
             yield
         finally:
             _TRACING.reset(token)
 
-    def gathered(self, arrays: list, dims: list) -> list:
+    def gathered(self, arrays: list, dims: list, dtypes=None) -> list:
         """``arrays`` (one layer's, global shapes) replicated, sharded ones in one all-gather.
 
         ``dims``: per array the dimension it is sharded on, or ``None`` (left as it is).
-        One collective per dtype (NOTE [One collective per layer]).
+        ``dtypes``: per array the dtype it is read in, cast before the gather (``None``:
+        its own; NOTE [Mixed precision]). One collective per dtype (NOTE [One collective
+        per layer]).
         """
+        arrays = [a if t is None else a.astype(t)
+                  for a, t in zip(arrays, dtypes or [None] * len(arrays), strict=True)]
         out = list(arrays)
         for group in _by_dtype(arrays, dims):
             buffer = pack_by_rank([arrays[k] for k in group], [dims[k] for k in group],
@@ -216,13 +270,17 @@ class OnMesh:
                 out[k] = part
         return out
 
-    def scattered(self, grads: list, dims: list) -> list:
+    def scattered(self, grads: list, dims: list, dtypes=None) -> list:
         """One layer's gradients, summed over ranks and sharded on ``dims``, one collective.
 
         ``grads`` are what each rank's part of the computation contributes (global shapes,
         sums pending); those with a dim in ``dims`` are packed and reduced as one buffer
-        per dtype, the rest left to XLA (NOTE [One collective per layer]).
+        per dtype, the rest left to XLA (NOTE [One collective per layer]). Each is cast to
+        ``reduce_dtype`` first and to its entry of ``dtypes`` after (``None``: left in
+        the dtype it was reduced in; NOTE [Mixed precision]).
         """
+        if self.reduce_dtype is not None:
+            grads = [g.astype(self.reduce_dtype) for g in grads]
         out = list(grads)
         for group in _by_dtype(grads, dims):
             buffer = pack_by_rank([grads[k] for k in group], [dims[k] for k in group],
@@ -233,7 +291,8 @@ class OnMesh:
             for k, part in zip(group, parts, strict=True):
                 out[k] = jax.lax.with_sharding_constraint(
                     part, self.sharding(part.ndim, dims[k]))
-        return out
+        return [g if t is None else g.astype(t)
+                for g, t in zip(out, dtypes or [None] * len(out), strict=True)]
 
     def leaf_dims(self, n: int) -> tuple:
         """Per leaf, the dimension sharded over the axis."""

@@ -18,7 +18,9 @@ innermost level keeps, per layer, what ``policy`` saves (the carry alone by defa
 Over a mesh (a program placed ``OnMesh`` whose parameter leaves are sharded), every level
 reads layer ``i`` gathered as one buffer and reduces its gradient as one buffer: one
 collective per layer and direction, where XLA's partitioner would gather and reduce each
-parameter on its own (NOTE [One collective per layer] in ``_placement.py``).
+parameter on its own (NOTE [One collective per layer] in ``_placement.py``), cast before
+the gather and reduced in the placement's reduce dtype where its leaves are read in
+another dtype (NOTE [Mixed precision]).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flaxside._placement import sharded_dims
+from flaxside._placement import program_leaves
 from flaxside._specs import Learned
 from flaxside._vjp_leaves import label_leaves
 
@@ -45,28 +47,37 @@ def _put(stack, i, value):
     return jtu.tree_map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), stack, value)
 
 
-def _layer_access(params, n_layout: int) -> tuple[Callable, Callable]:
-    """``(layer, layer_grads)``: how a level reads layer ``i`` and hands back its gradient.
+def _layer_access(params, n_layout: int) -> tuple[object, Callable, Callable]:
+    """``(params, layer, layer_grads)``: what the stack runs on, and how it reads layer i.
 
-    Off a mesh, ``layer(flat, i)`` is the slice and ``layer_grads`` the identity. Inside a
-    program over a mesh whose leaves ``params`` are, sharded on a dimension past the layer
-    axes, the slice is gathered as one buffer and the gradient reduced as one (NOTE [One
-    collective per layer]); a leaf sharded on a layer axis, or not known, is left to XLA.
+    ``layer(flat, i)`` reads layer ``i``, ``layer_grads`` hands back its gradient. Off a
+    mesh: ``params``, the slice and the identity. Inside a program over a mesh,
+    each leaf of ``params`` that is one of its leaves as read (``program_leaves``) is
+    replaced by the leaf the program received (a float32 shard where the function reads a
+    bfloat16 cast): the slice is cast and gathered as one buffer, the gradient reduced as
+    one, in the placement's reduce dtype, and cast back to the leaf's dtype (NOTE [One
+    collective per layer], NOTE [Mixed precision]); a leaf sharded on a layer axis, or
+    not known, is left to XLA.
     """
     leaves, treedef = jtu.tree_flatten(params)
-    placement, dims = sharded_dims(leaves)
-    dims = [None if d is None or d < n_layout else d - n_layout for d in dims]
-    if placement is None or all(d is None for d in dims):
-        return _take, lambda g: g
+    placement, found = program_leaves(leaves)
+    if placement is None or all(f is None for f in found):
+        return params, _take, lambda g: g
+    dims = [None if f is None or f.dim is None or f.dim < n_layout else f.dim - n_layout
+            for f in found]
+    sources = [x if f is None else f.source for x, f in zip(leaves, found, strict=True)]
+    reads = [None if f is None else f.dtype for f in found]
+    dtypes = [x.dtype for x in sources]
 
     def layer(flat, i):
         return jtu.tree_unflatten(treedef, placement.gathered(
-            jtu.tree_leaves(_take(flat, i)), dims))
+            jtu.tree_leaves(_take(flat, i)), dims, reads))
 
     def layer_grads(g):
-        return jtu.tree_unflatten(treedef, placement.scattered(jtu.tree_leaves(g), dims))
+        return jtu.tree_unflatten(treedef, placement.scattered(jtu.tree_leaves(g), dims,
+                                                               dtypes))
 
-    return layer, layer_grads
+    return jtu.tree_unflatten(treedef, sources), layer, layer_grads
 
 
 def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy=None,
@@ -106,7 +117,7 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
     # Layers per child segment at each level; the innermost level's children are layers.
     child = tuple(math.prod(lengths[k + 1 :]) for k in range(levels))
     checkpointed = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
-    layer, layer_grads = _layer_access(params, len(layout))
+    params, layer, layer_grads = _layer_access(params, len(layout))
 
     def run(flat, consts, start, count, c):
         def body(t, c):

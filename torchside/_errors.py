@@ -302,3 +302,22 @@ def random_under_vmap(where: str) -> RuntimeError:
         f"randomness='different' (a key per batch entry) or 'same' (one key for all), or "
         f"call the module in eval() mode."
     )
+
+
+def mp_policy_type(where: str, policy) -> TypeError:
+    """``shard(mp_policy=...)`` given something other than FSDP2's policy class."""
+    return TypeError(
+        f"shard({where}): argument 'mp_policy' is {type(policy).__name__} {policy!r}, but "
+        f"torch.distributed.fsdp.MixedPrecisionPolicy or None was expected. Pass "
+        f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "
+        f"as for fully_shard."
+    )
+
+
+def mp_policy_field(where: str, field: str, value, supported: str, why: str) -> ValueError:
+    """A ``MixedPrecisionPolicy`` field the sharded block cannot run with."""
+    return ValueError(
+        f"shard({where}): mp_policy.{field} is {value!r}, but a sharded block takes "
+        f"{supported} there ({why}). Pass MixedPrecisionPolicy({field}=...) with one of "
+        f"those; the module is unchanged."
+    )

@@ -19,6 +19,15 @@ placements. Gradients
 are reduced once, in the program, with FSDP's mean, and FSDP2 must not reduce them again:
 leave the block's parameters out of an enclosing ``fully_shard`` (``ignored_params``).
 
+``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` with FSDP2's meaning: the DTensor
+shards (and an optimizer's state of them) stay in their dtype; inside the program each
+floating parameter is read in ``param_dtype``, cast from the local shard before it is
+gathered, and its gradient arrives in the parameter's dtype. ``reduce_dtype`` is not yet
+honoured: XLA's partitioner reduces each gradient where it is computed, in its compute
+dtype (NOTE [Mixed precision] in ``flaxside/_placement.py``); a forward pre-hook casts
+floating inputs to ``param_dtype`` (``cast_forward_inputs``) and a forward hook floating
+outputs to ``output_dtype``, as ``fully_shard``'s hooks do.
+
 JAX's distributed runtime comes up from torch.distributed's rendezvous at the first
 ``shard``: the same ranks and world, ``MASTER_ADDR`` and a port of its own that rank 0
 picks and broadcasts, each process owning only its rank's device (its CUDA device, or its
@@ -32,19 +41,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
+import bridge as bi
 from flaxside.internal import OnMesh
 from torchside import _errors
 
 DEFAULT_AXIS = "shard"
 
 
-def shard(module, mesh=None, *, axis_rules=None):
+def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
     """Shards a ``FlaxModule``'s parameters over torch's ranks; its calls become SPMD.
 
     In the spirit of ``fully_shard``: in place, returning the module. See NOTE [Sharded
@@ -58,6 +70,9 @@ def shard(module, mesh=None, *, axis_rules=None):
             every rank, on the CPU or, where CUDA is available, each rank's current GPU.
         axis_rules: Flax logical axis rules (``(("embed", "shard"), ...)``) for
             parameters made with ``nn.with_logical_partitioning``.
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as ``fully_shard``
+            takes it; dtypes ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or
+            ``None``.
 
     Returns:
         The module.
@@ -65,7 +80,9 @@ def shard(module, mesh=None, *, axis_rules=None):
     Raises:
         RuntimeError: torch.distributed is not initialized, or JAX's backends already
             exist (JAX's distributed runtime must start first).
-        ValueError: the mesh is not one-dimensional, or the module is already sharded.
+        ValueError: the mesh is not one-dimensional, the module is already sharded, or
+            a field of ``mp_policy`` is not supported (the module is left unchanged).
+        TypeError: ``mp_policy`` is not a ``MixedPrecisionPolicy``.
 
     Example:
         Under ``torchrun --nproc_per_node 2`` (``examples/train_sharded.py`` runs it whole)::
@@ -76,10 +93,17 @@ def shard(module, mesh=None, *, axis_rules=None):
             shard(block)                      # parameters become DTensors over the ranks
             block.to_empty(device="cpu")
             block.reset_parameters()          # each rank initializes its own shards
+
+        Mixed precision as FSDP2 writes it (float32 shards, bfloat16 compute)::
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32)
+            shard(block, mp_policy=policy)
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     where = module._where
+    precision = _precision(mp_policy, where)
     if not dist.is_available() or not dist.is_initialized():
         raise _errors.shard_without_process_group(where)
     if mesh is None:
@@ -95,12 +119,15 @@ def shard(module, mesh=None, *, axis_rules=None):
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
     jax_mesh = jax.sharding.Mesh(np.array(devices), (axis,))
     size = mesh.size()
-    dims, parameters = [], {}
+    dims, casts, parameters = [], [], {}
     for i, (t, is_param, flax_names) in enumerate(targets):
         dim = None
         if is_param and (t.is_floating_point() or t.is_complex()):
             dim = _sharded_dim(tuple(t.shape), size, axis, flax_names)
         dims.append(dim)
+        # FSDP2 casts floating parameters of another dtype than param_dtype (_fsdp_param.py).
+        casts.append(precision.param_dtype if is_param and t.is_floating_point()
+                     and precision.param_dtype not in (None, t.dtype) else None)
         if not is_param:
             continue
         placements = [Replicate()] if dim is None else [Shard(dim)]
@@ -114,9 +141,80 @@ def shard(module, mesh=None, *, axis_rules=None):
         else:
             value = distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
         parameters[i] = torch.nn.Parameter(value, requires_grad=t.requires_grad)
-    module._shard_with(ShardPlan(mesh, OnMesh(jax_mesh, axis, (), ()), tuple(dims)),
-                       parameters)
+    on_mesh = OnMesh(jax_mesh, axis, (), (), reduce_dtype=precision.reduce_dtype)
+    module._shard_with(ShardPlan(mesh, on_mesh, tuple(dims), tuple(
+        None if c is None else bi.numpy_dtype(c) for c in casts)), parameters)
+    if precision.param_dtype is not None and precision.cast_forward_inputs:
+        module.register_forward_pre_hook(CastFloating(precision.param_dtype).inputs,
+                                         with_kwargs=True)
+    if precision.output_dtype is not None:
+        module.register_forward_hook(CastFloating(precision.output_dtype).outputs)
     return module
+
+
+class Precision(NamedTuple):
+    """What ``shard`` reads of a ``MixedPrecisionPolicy`` (torch dtypes, or ``None``).
+
+    ``reduce_dtype`` is already a JAX dtype, ``None`` where gradients reduce in the dtype
+    they are computed in (FSDP2's ``reduce_dtype=None``, or the same as ``param_dtype``).
+    """
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: object
+    output_dtype: torch.dtype | None
+    cast_forward_inputs: bool
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _precision(policy, where: str) -> Precision:
+    """``policy`` checked field by field (before ``shard`` changes anything)."""
+    if policy is None:
+        return Precision(None, None, None, False)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise _errors.mp_policy_type(where, policy)
+    names = "torch.bfloat16, torch.float16, torch.float32 or None"
+    why = "JAX runs without 64-bit types here, and a policy's dtypes are floating"
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(policy, field)
+        if value is not None and value not in _DTYPES:
+            raise _errors.mp_policy_field(where, field, value, names, why)
+    if not isinstance(policy.cast_forward_inputs, bool):
+        raise _errors.mp_policy_field(where, "cast_forward_inputs",
+                                      policy.cast_forward_inputs, "True or False",
+                                      "it says whether floating inputs are cast")
+    # As FSDP2's _fsdp_param.py: reduce_dtype equal to param_dtype casts nothing.
+    reduce = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
+    return Precision(policy.param_dtype, None if reduce is None else bi.numpy_dtype(reduce),
+                     policy.output_dtype, policy.cast_forward_inputs)
+
+
+class CastFloating:
+    """Forward hooks casting every floating tensor of a call, or its output, to ``dtype``.
+
+    As FSDP2's ``_cast_fp_tensor`` (``_fsdp_common.py``): floating tensors of another
+    dtype only, through nested lists, tuples and dicts. A class, not a closure, so that a
+    deep copy or a pickled module keeps it.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        return x
+
+    def inputs(self, module, args, kwargs):
+        """A forward pre-hook (``with_kwargs=True``): the call's tensors cast."""
+        return pytree.tree_map(self._cast, (args, kwargs))
+
+    def outputs(self, module, args, output):
+        """A forward hook: the output's tensors cast."""
+        return pytree.tree_map(self._cast, output)
 
 
 class ShardPlan:
@@ -127,12 +225,15 @@ class ShardPlan:
         on_mesh: the JAX side's ``flaxside.internal.OnMesh`` (its mesh and axis; the
             leaves' dimensions are filled per call by ``placement``).
         dims: per variable, the dimension sharded over the axis, or ``None``.
+        casts: per variable, the dtype the program reads it in (``mp_policy``'s
+            ``param_dtype``, as a numpy dtype), or ``None``.
     """
 
-    __slots__ = ("mesh", "on_mesh", "dims")
+    __slots__ = ("mesh", "on_mesh", "dims", "casts")
 
-    def __init__(self, mesh, on_mesh: OnMesh, dims: tuple):
+    def __init__(self, mesh, on_mesh: OnMesh, dims: tuple, casts: tuple = ()):
         self.mesh, self.on_mesh, self.dims = mesh, on_mesh, dims
+        self.casts = casts or (None,) * len(dims)
 
     def placement(self, layout, arg_ndims) -> OnMesh:
         """Where a call's programs run (``OnMesh``), per leaf of ``layout``.
@@ -143,7 +244,9 @@ class ShardPlan:
         args = [0 if ndim else None for ndim in arg_ndims]
         dims = layout.of_leaves(self.dims, None, args)
         batch = layout.of_leaves([False] * len(self.dims), False, [d is not None for d in args])
-        return dataclasses.replace(self.on_mesh, dims=tuple(dims), batch=tuple(batch))
+        cast = layout.of_leaves(self.casts, None, [None] * len(args))
+        return dataclasses.replace(self.on_mesh, dims=tuple(dims), batch=tuple(batch),
+                                   cast=tuple(cast))
 
     def sharding(self, ndim: int, dim):
         """The JAX sharding of a variable of ``ndim`` dimensions sharded on ``dim``."""

@@ -9,7 +9,9 @@ program on one device, and each loop body's collectives (NOTE [One collective pe
 in ``flaxside/_placement.py``).
 """
 
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +49,11 @@ def _fsdp_dim(shape):
     return None
 
 
-def _programs(fn, leaves, batch_leaves: int, dims=None):
+def _programs(fn, leaves, batch_leaves: int, dims=None, **precision):
     """The program ``OnMesh`` (local specs) and on one device, and the leaves' dims.
 
     ``dims``: per variable leaf its sharded dimension (default: ``_fsdp_dim``'s).
+    ``precision``: ``OnMesh``'s ``cast`` and ``reduce_dtype`` (NOTE [Mixed precision]).
     """
     mesh = Mesh(np.array(jax.devices()[:N]), ("s",))
     n_vars = len(leaves) - batch_leaves
@@ -66,7 +69,7 @@ def _programs(fn, leaves, batch_leaves: int, dims=None):
         return LeafSpec(tuple(shape), np.dtype(x.dtype), True)
 
     sharded = Program(fn, [local(x, d) for x, d in zip(leaves, dims, strict=True)],
-                      placement=OnMesh(mesh, "s", dims, batch))
+                      placement=OnMesh(mesh, "s", dims, batch, **precision))
     whole = Program(fn, [LeafSpec(x.shape, np.dtype(x.dtype), True) for x in leaves])
     placed = [jax.device_put(x, NamedSharding(mesh, P(*[("s" if k == d else None)
                                                          for k in range(x.ndim)])))
@@ -160,3 +163,48 @@ def test_a_parameter_sharded_on_a_layer_axis_is_left_to_xla():
     # One packed gather per loop body, and XLA's own moves of the layer-sharded leaf.
     assert all(ops.count("all-gather") <= 2 for bodies in counts.values() for ops in bodies)
     assert any(ops.count("all-gather") == 1 for bodies in counts.values() for ops in bodies)
+
+
+# -- mixed precision (NOTE [Mixed precision] in flaxside/_placement.py) ----------------------
+def _partitioned(dump, program) -> dict:
+    """Per program kind, per while-loop body, ``(op, element type)`` of each collective as
+    XLA's SPMD partitioner emitted it: read from the module XLA_FLAGS dumps after the
+    pass, since the CPU backend widens bfloat16 collectives to float32 later on."""
+    counts = {}
+    program.compiled("backward")  # and the forward
+    for kind, body in (("forward_with_residuals", "_forward_res_body"),
+                       ("backward", "_backward_body")):
+        text = sorted(dump.glob(f"*jit_{body}.*after_spmd-partitioning*"))[-1].read_text()
+        bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", text))
+        counts[kind] = [
+            re.findall(r"= \(?(\w+)\[[^=]*? " + LOOP_COLLECTIVES[2:], c)
+            for c in re.split(r"\n(?=[%A-Z])", text)
+            if (m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", c)) and m.group(1) in bodies]
+    return counts
+
+
+@pytest.mark.skipif("--xla_dump_to" not in os.environ.get("XLA_FLAGS", ""),
+                    reason="test_mesh_collectives.py runs it with XLA's dump")
+def test_a_bfloat16_policy_gathers_each_layer_cast_in_one_collective():
+    """``OnMesh(cast=bfloat16)`` on the parameters and the batch (as ``torchside.shard``'s
+    ``mp_policy`` reads them): one all-gather per loop body, of bfloat16 as the
+    partitioner emits it, and one reduction per body once compiled.
+
+    What it does not show: the partitioner reduces each parameter's gradient where the
+    op that contracts the batch makes it, in that op's dtype (bfloat16 for a Dense
+    kernel), whatever ``reduce_dtype`` says; the CPU backend then combines them into one
+    all-reduce and promotes it to float32 (NOTE [Mixed precision]).
+    """
+    fn, leaves = _linen(16, (2, 4))
+    cast = (np.dtype(jnp.bfloat16),) * len(leaves)
+    sharded, _, _, _, _, _ = _programs(fn, leaves, 1, cast=cast,
+                                       reduce_dtype=np.dtype(np.float32))
+    dump = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0])
+    counts = _partitioned(dump, sharded)
+    for kind, bodies in counts.items():
+        gathers = [t for ops in bodies for t, op in ops if op == "all-gather"]
+        assert gathers and set(gathers) == {"bf16"}, (kind, bodies)
+        for ops in bodies:
+            assert [op for _, op in ops].count("all-gather") <= 1, (kind, bodies)
+    assert any(op != "all-gather" for ops in counts["backward"] for _, op in ops), counts
+    _one_gather_per_layer(_loop_collectives(sharded))
