@@ -63,8 +63,9 @@ class TracedBodies:
         Traced at the precision the program was built with (NOTE [Precision of a
         program]): every body, derived ones included, computes what the first computed.
         """
-        with self.placement.tracing(leaves), jax.default_matmul_precision(self.precision):
-            out, aux, write_back = self.fn(list(leaves))  # NOTE [One collective per layer]
+        with (self.placement.tracing(list(leaves)) as read,  # NOTE [Mixed precision]
+              jax.default_matmul_precision(self.precision)):
+            out, aux, write_back = self.fn(read)
         out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
             check_output_leaf(leaf, out_treedef, i, self.name)

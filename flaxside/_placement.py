@@ -42,24 +42,28 @@ program's leaves (by identity) are sharded on which dimension (``program_leaves`
 ``OnMesh.gathered`` packs a layer's shards rank by rank (``pack_by_rank``: each rank's own
 shards side by side, so packing moves nothing between ranks), constrains the buffer
 replicated (one all-gather) and unpacks it; ``OnMesh.scattered`` packs the layer's
-gradients the same way and constrains the buffer sharded (one reduction). One collective
-per layer and direction, per dtype.
+gradients the same way and constrains the buffer sharded. One gather per layer, per dtype.
+The reduction is the partitioner's: an all-reduce of each gradient where the op contracting
+the batch makes it, which XLA's all-reduce combiner (CPU and GPU backends) merges into one
+per loop body; the compiled loop holds one reduction per layer, moving full gradients,
+where a packed reduce-scatter would move half (it needs the layer's VJP per rank, in
+``shard_map``).
 
 NOTE [Mixed precision]. A placement over a mesh may read parameters in another dtype than
 they are held in, as FSDP2's ``MixedPrecisionPolicy`` does: ``OnMesh.cast`` gives per leaf
-the dtype the function reads it in (bfloat16 for float32 shards), ``reduce_dtype`` the dtype
-gradients are reduced in. While the program is traced, ``tracing`` replaces each such leaf
-by its cast in the list the function is then called on, so a block that XLA partitions (a
-stock ``nn.scan``) reads each shard cast before the partitioner's gathers and its gradients
-come back in the leaf's dtype. A stack that owns its loop (``remat_stack``) asks
-``program_leaves`` for the leaf behind each cast and runs on that instead: each layer's
-shards are cast before its packed gather (``gathered``), and its gradients are cast to
-``reduce_dtype`` and back to the leaf's dtype (``scattered``). That cast does not yet
-decide the reduction's dtype: XLA's partitioner reduces each parameter's gradient where
-the op contracting the batch makes it (an all-reduce per parameter, in that op's dtype,
-bfloat16 for a Dense kernel), before the cast; the CPU backend then combines them into
-one all-reduce per loop body. Reducing in ``reduce_dtype`` needs the layer's VJP run per
-rank (``shard_map``) with an explicit ``psum_scatter``.
+the dtype the function reads it in (bfloat16 for float32 shards). While the program is
+traced, ``tracing`` yields the leaves with each such leaf replaced by its cast, and the
+function is called on those: a block that XLA partitions (a stock ``nn.scan``) reads each
+shard cast before the partitioner's gathers, and its gradients come back in the leaf's
+dtype. A stack that owns its loop (``remat_stack``) asks ``program_leaves`` for the leaf
+behind each cast and runs on that instead: each layer's shards are cast before its packed
+gather (``gathered``), and its gradients cast back to the leaf's dtype after their
+reduction (``scattered``). Gradients are reduced in the compute dtype: XLA's partitioner
+reduces each parameter's gradient where the op contracting the batch makes it (an
+all-reduce per parameter, in that op's dtype, bfloat16 for a Dense kernel; the CPU backend
+then combines them into one all-reduce per loop body). A reduction in another dtype (FSDP2's
+``reduce_dtype``) needs the layer's VJP run per rank (``shard_map``) with an explicit
+``psum_scatter``; ``torchside.shard`` refuses one until then.
 XLA's CPU backend widens bfloat16 collectives to float32 after partitioning
 (``float-normalization-bf16``, ``all-reduce-promotion``): on CPU the bytes moved stay
 float32's; GPU backends keep them.
@@ -153,8 +157,8 @@ class OnDevice:
         return compiling_for(self.device)
 
     def tracing(self, leaves):
-        """While the program's function is traced on ``leaves``: nothing to say."""
-        return contextlib.nullcontext()
+        """While the program's function is traced: the leaves it is called on, as given."""
+        return contextlib.nullcontext(leaves)
 
     def leaf_dims(self, n: int) -> tuple:
         """Per leaf, the dimension sharded over the mesh: none here."""
@@ -206,8 +210,6 @@ class OnMesh:
             process's own; every other leaf's gradient follows FSDP's mean).
         cast: per leaf, the dtype the function reads it in, or ``None`` (as passed);
             empty: none is cast (NOTE [Mixed precision]).
-        reduce_dtype: the dtype a stack's packed gradient reduction runs in (``None``:
-            the gradients' own, the dtype they were computed in).
     """
 
     mesh: jax.sharding.Mesh
@@ -215,7 +217,6 @@ class OnMesh:
     dims: tuple[int | None, ...]
     batch: tuple[bool, ...]
     cast: tuple = ()
-    reduce_dtype: Any = None
 
     @property
     def size(self) -> int:
@@ -228,23 +229,22 @@ class OnMesh:
 
     @contextlib.contextmanager
     def tracing(self, leaves: list):
-        """While the function is traced on ``leaves``: which are sharded or cast, and how.
+        """While the function is traced: the leaves to call it on, and what each one is.
 
-        Each leaf that ``cast`` names a dtype for is replaced in ``leaves`` (the bodies'
-        own list, which the function is called on inside) by its cast (NOTE [Mixed
-        precision]); ``program_leaves`` reads what is sharded or cast (NOTE [One
-        collective per layer]).
+        Yields ``leaves`` with each leaf that ``cast`` names a dtype for replaced by its
+        cast (NOTE [Mixed precision]); inside, ``program_leaves`` tells which of those are
+        sharded or cast (NOTE [One collective per layer]).
         """
         casts = self.cast or (None,) * len(leaves)
-        known = {}
-        for k, (x, d, dtype) in enumerate(zip(leaves, self.dims, casts, strict=True)):
-            if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):
-                leaves[k] = x.astype(dtype)
-            if d is not None or leaves[k] is not x:
-                known[id(leaves[k])] = ProgramLeaf(x, d, None if leaves[k] is x else dtype)
+        read, known = [], {}
+        for x, d, dtype in zip(leaves, self.dims, casts, strict=True):
+            cast = dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype)
+            read.append(x.astype(dtype) if cast else x)
+            if d is not None or cast:
+                known[id(read[-1])] = ProgramLeaf(x, d, dtype if cast else None)
         token = _TRACING.set((self, known))
         try:
-            yield
+            yield read
         finally:
             _TRACING.reset(token)
 
@@ -275,12 +275,10 @@ class OnMesh:
 
         ``grads`` are what each rank's part of the computation contributes (global shapes,
         sums pending); those with a dim in ``dims`` are packed and reduced as one buffer
-        per dtype, the rest left to XLA (NOTE [One collective per layer]). Each is cast to
-        ``reduce_dtype`` first and to its entry of ``dtypes`` after (``None``: left in
-        the dtype it was reduced in; NOTE [Mixed precision]).
+        per dtype, the rest left to XLA (NOTE [One collective per layer]). Each is cast
+        to its entry of ``dtypes`` after (``None``: left in the dtype it was reduced in;
+        NOTE [Mixed precision]).
         """
-        if self.reduce_dtype is not None:
-            grads = [g.astype(self.reduce_dtype) for g in grads]
         out = list(grads)
         for group in _by_dtype(grads, dims):
             buffer = pack_by_rank([grads[k] for k in group], [dims[k] for k in group],

@@ -19,8 +19,7 @@ Over a mesh (a program placed ``OnMesh`` whose parameter leaves are sharded), ev
 reads layer ``i`` gathered as one buffer and reduces its gradient as one buffer: one
 collective per layer and direction, where XLA's partitioner would gather and reduce each
 parameter on its own (NOTE [One collective per layer] in ``_placement.py``), cast before
-the gather and reduced in the placement's reduce dtype where its leaves are read in
-another dtype (NOTE [Mixed precision]).
+the gather where its leaves are read in another dtype (NOTE [Mixed precision]).
 """
 
 from __future__ import annotations
@@ -54,10 +53,9 @@ def _layer_access(params, n_layout: int) -> tuple[object, Callable, Callable]:
     mesh: ``params``, the slice and the identity. Inside a program over a mesh,
     each leaf of ``params`` that is one of its leaves as read (``program_leaves``) is
     replaced by the leaf the program received (a float32 shard where the function reads a
-    bfloat16 cast): the slice is cast and gathered as one buffer, the gradient reduced as
-    one, in the placement's reduce dtype, and cast back to the leaf's dtype (NOTE [One
-    collective per layer], NOTE [Mixed precision]); a leaf sharded on a layer axis, or
-    not known, is left to XLA.
+    bfloat16 cast): the slice is cast and gathered as one buffer, the gradient reduced
+    and cast back to the leaf's dtype (NOTE [One collective per layer], NOTE [Mixed
+    precision]); a leaf sharded on a layer axis, or not known, is left to XLA.
     """
     leaves, treedef = jtu.tree_flatten(params)
     placement, found = program_leaves(leaves)

@@ -309,8 +309,7 @@ def mp_policy_type(where: str, policy) -> TypeError:
     return TypeError(
         f"shard({where}): argument 'mp_policy' is {type(policy).__name__} {policy!r}, but "
         f"torch.distributed.fsdp.MixedPrecisionPolicy or None was expected. Pass "
-        f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "
-        f"as for fully_shard."
+        f"MixedPrecisionPolicy(param_dtype=torch.bfloat16), as for fully_shard."
     )
 
 

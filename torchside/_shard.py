@@ -22,11 +22,12 @@ leave the block's parameters out of an enclosing ``fully_shard`` (``ignored_para
 ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` with FSDP2's meaning: the DTensor
 shards (and an optimizer's state of them) stay in their dtype; inside the program each
 floating parameter is read in ``param_dtype``, cast from the local shard before it is
-gathered, and its gradient arrives in the parameter's dtype. ``reduce_dtype`` is not yet
-honoured: XLA's partitioner reduces each gradient where it is computed, in its compute
-dtype (NOTE [Mixed precision] in ``flaxside/_placement.py``); a forward pre-hook casts
-floating inputs to ``param_dtype`` (``cast_forward_inputs``) and a forward hook floating
-outputs to ``output_dtype``, as ``fully_shard``'s hooks do.
+gathered, and its gradient arrives in the parameter's dtype. Gradients are reduced in
+``param_dtype``, where XLA's partitioner computes them (NOTE [Mixed precision] in
+``flaxside/_placement.py``): a ``reduce_dtype`` other than ``None`` or ``param_dtype`` is
+refused rather than ignored. A forward pre-hook casts floating inputs to ``param_dtype``
+(``cast_forward_inputs``) and a forward hook floating outputs to ``output_dtype``, as
+``fully_shard``'s hooks do.
 
 JAX's distributed runtime comes up from torch.distributed's rendezvous at the first
 ``shard``: the same ranks and world, ``MASTER_ADDR`` and a port of its own that rank 0
@@ -72,7 +73,8 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
             parameters made with ``nn.with_logical_partitioning``.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as ``fully_shard``
             takes it; dtypes ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or
-            ``None``.
+            ``None``, with ``reduce_dtype`` ``None`` or ``param_dtype`` (gradients are
+            reduced in the compute dtype).
 
     Returns:
         The module.
@@ -96,9 +98,7 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
 
         Mixed precision as FSDP2 writes it (float32 shards, bfloat16 compute)::
 
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                          reduce_dtype=torch.float32)
-            shard(block, mp_policy=policy)
+            shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -141,7 +141,7 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         else:
             value = distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
         parameters[i] = torch.nn.Parameter(value, requires_grad=t.requires_grad)
-    on_mesh = OnMesh(jax_mesh, axis, (), (), reduce_dtype=precision.reduce_dtype)
+    on_mesh = OnMesh(jax_mesh, axis, (), ())
     module._shard_with(ShardPlan(mesh, on_mesh, tuple(dims), tuple(
         None if c is None else bi.numpy_dtype(c) for c in casts)), parameters)
     if precision.param_dtype is not None and precision.cast_forward_inputs:
@@ -153,14 +153,9 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
 
 
 class Precision(NamedTuple):
-    """What ``shard`` reads of a ``MixedPrecisionPolicy`` (torch dtypes, or ``None``).
-
-    ``reduce_dtype`` is already a JAX dtype, ``None`` where gradients reduce in the dtype
-    they are computed in (FSDP2's ``reduce_dtype=None``, or the same as ``param_dtype``).
-    """
+    """What ``shard`` reads of a ``MixedPrecisionPolicy`` (torch dtypes, or ``None``)."""
 
     param_dtype: torch.dtype | None
-    reduce_dtype: object
     output_dtype: torch.dtype | None
     cast_forward_inputs: bool
 
@@ -171,7 +166,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _precision(policy, where: str) -> Precision:
     """``policy`` checked field by field (before ``shard`` changes anything)."""
     if policy is None:
-        return Precision(None, None, None, False)
+        return Precision(None, None, False)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if not isinstance(policy, MixedPrecisionPolicy):
@@ -186,10 +181,15 @@ def _precision(policy, where: str) -> Precision:
         raise _errors.mp_policy_field(where, "cast_forward_inputs",
                                       policy.cast_forward_inputs, "True or False",
                                       "it says whether floating inputs are cast")
-    # As FSDP2's _fsdp_param.py: reduce_dtype equal to param_dtype casts nothing.
-    reduce = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
-    return Precision(policy.param_dtype, None if reduce is None else bi.numpy_dtype(reduce),
-                     policy.output_dtype, policy.cast_forward_inputs)
+    # As FSDP2's _fsdp_param.py: reduce_dtype equal to param_dtype casts nothing. Any other
+    # is refused: the partitioner reduces in the compute dtype (NOTE [Mixed precision]).
+    if policy.reduce_dtype not in (None, policy.param_dtype):
+        raise _errors.mp_policy_field(
+            where, "reduce_dtype", policy.reduce_dtype,
+            f"None or param_dtype ({policy.param_dtype})",
+            "gradients are reduced in the compute dtype, where XLA's partitioner computes "
+            "them; a reduction in another dtype is not built yet")
+    return Precision(policy.param_dtype, policy.output_dtype, policy.cast_forward_inputs)
 
 
 class CastFloating:

@@ -53,7 +53,7 @@ def _programs(fn, leaves, batch_leaves: int, dims=None, **precision):
     """The program ``OnMesh`` (local specs) and on one device, and the leaves' dims.
 
     ``dims``: per variable leaf its sharded dimension (default: ``_fsdp_dim``'s).
-    ``precision``: ``OnMesh``'s ``cast`` and ``reduce_dtype`` (NOTE [Mixed precision]).
+    ``precision``: ``OnMesh``'s ``cast`` (NOTE [Mixed precision]).
     """
     mesh = Mesh(np.array(jax.devices()[:N]), ("s",))
     n_vars = len(leaves) - batch_leaves
@@ -192,13 +192,12 @@ def test_a_bfloat16_policy_gathers_each_layer_cast_in_one_collective():
 
     What it does not show: the partitioner reduces each parameter's gradient where the
     op that contracts the batch makes it, in that op's dtype (bfloat16 for a Dense
-    kernel), whatever ``reduce_dtype`` says; the CPU backend then combines them into one
+    kernel); the CPU backend then combines them into one
     all-reduce and promotes it to float32 (NOTE [Mixed precision]).
     """
     fn, leaves = _linen(16, (2, 4))
     cast = (np.dtype(jnp.bfloat16),) * len(leaves)
-    sharded, _, _, _, _, _ = _programs(fn, leaves, 1, cast=cast,
-                                       reduce_dtype=np.dtype(np.float32))
+    sharded, _, _, _, _, _ = _programs(fn, leaves, 1, cast=cast)
     dump = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0])
     counts = _partitioned(dump, sharded)
     for kind, bodies in counts.items():

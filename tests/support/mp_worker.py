@@ -26,7 +26,8 @@ from tests.support.twins import ReadmeBlock, load_residual_block  # noqa: E402
 from torchside import FlaxModule, shard  # noqa: E402
 
 STEPS, BATCH, WIDTH, LENGTHS = 3, 16, 16, (2, 2)
-POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# Gradients reduced in the compute dtype, on both sides (shard refuses another reduce_dtype).
+POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 
 
 class TorchReadmeBlock(torch.nn.Module):
@@ -135,6 +136,8 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     report["refused"] = {
         "float64": refused(MixedPrecisionPolicy(param_dtype=torch.float64)),
         "int8": refused(MixedPrecisionPolicy(reduce_dtype=torch.int8)),
+        "reduce_float32": refused(MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.float32)),
         "string": refused("bfloat16"),
     }
     torch.save(report, f"{out}.{rank}.pt")

@@ -250,7 +250,7 @@ def _largest_difference(got: dict, want: dict) -> float:
 
 
 def test_a_bfloat16_policy_trains_like_fsdp2_with_the_same_policy(tmp_path):
-    """``shard(mp_policy=MixedPrecisionPolicy(bfloat16, float32))`` on a ``remat_stack``
+    """``shard(mp_policy=MixedPrecisionPolicy(bfloat16))`` on a ``remat_stack``
     block against its torch twin under ``fully_shard`` with the same policy, 3 AdamW steps
     on two gloo ranks: the same losses at every step, first outputs and gradients within
     bfloat16's tolerance; float32 shards, gradients and AdamW state; a bfloat16 output.
@@ -282,4 +282,7 @@ def test_a_bfloat16_policy_trains_like_fsdp2_with_the_same_policy(tmp_path):
         assert message.startswith("shard(FlaxModule(RematStack)): ") and unchanged, message
     assert "mp_policy.param_dtype is torch.float64" in report["refused"]["float64"][0]
     assert "mp_policy.reduce_dtype is torch.int8" in report["refused"]["int8"][0]
+    # Not ignored: a float32 reduction is not built, so it is refused, naming what is taken.
+    assert "mp_policy.reduce_dtype is torch.float32" in report["refused"]["reduce_float32"][0]
+    assert "param_dtype (torch.bfloat16)" in report["refused"]["reduce_float32"][0]
     assert "'mp_policy' is str 'bfloat16'" in report["refused"]["string"][0]
