@@ -10,6 +10,7 @@ precision is read in the compiled programs' HLO; a program built outside the con
 the negative control.
 """
 
+import contextlib
 import threading
 
 import flax.linen as nn
@@ -44,6 +45,12 @@ def _in_thread(fn) -> None:
         raise errors[0]
 
 
+def _forward(m, x, context: bool):
+    """The module's forward in this thread, at "highest" where ``context``, else the default."""
+    with jax.default_matmul_precision("highest") if context else contextlib.nullcontext():
+        return m(x)
+
+
 def _highest(compiled) -> bool:
     text = compiled.as_text()
     dots = [line for line in text.splitlines() if " dot(" in line]
@@ -56,11 +63,7 @@ def _highest(compiled) -> bool:
 def test_a_backward_in_another_thread_computes_at_the_forwards_precision(residuals, context):
     m = FlaxModule(MLP(), example_args=(torch.zeros(4, 8),), residuals=residuals)
     x = torch.randn(4, 8, requires_grad=True)
-    if context:
-        with jax.default_matmul_precision("highest"):
-            y = m(x)
-    else:
-        y = m(x)
+    y = _forward(m, x, context)
     _in_thread(lambda: y.backward(torch.randn(4, 8)))
     kinds = {kind: _highest(c) for _, kind, c in executables_run(m)}
     assert {"backward", "backward_recompute"} & set(kinds), kinds
@@ -73,12 +76,7 @@ def test_a_gradient_penalty_differentiated_in_another_thread_keeps_the_precision
         residuals, context):
     m = FlaxModule(MLP(), example_args=(torch.zeros(4, 8),), residuals=residuals)
     x = torch.randn(4, 8, requires_grad=True)
-
-    if context:
-        with jax.default_matmul_precision("highest"):
-            y = m(x)
-    else:
-        y = m(x)
+    y = _forward(m, x, context)
 
     def penalty_step():  # where a CUDA backward runs: torch's own thread
         (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
