@@ -9,8 +9,10 @@ NOTE [One collective per layer]), ``fully_shard whole`` (the same ``FlaxModule``
 unsharded under FSDP2's ``fully_shard`` as one unit: each rank gathers and holds every
 layer for the step) and ``pure JAX SPMD`` (the Flax block on the JAX distributed runtime
 ``shard`` brought up, parameters sharded on the dimensions ``shard`` chose, one jitted step
-of ``value_and_grad`` and ``optax.adamw``, parameters and state donated). The torch
-contestants use ``torch.optim.AdamW``.
+of ``value_and_grad`` and ``optax.adamw``, parameters and state donated). Two more in
+bfloat16, with FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` on both
+sides: ``sharded remat_stack bf16`` (``shard(..., mp_policy=...)``) and ``fully_shard whole
+bf16``. The torch contestants use ``torch.optim.AdamW``.
 
 A step: forward on the rank's half of the batch, MSE loss, backward, update. Each contestant
 first runs two checked steps: the global losses of step 1 (the forward, same weights) and
@@ -36,8 +38,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NAMES = ("sharded", "sharded remat_stack", "fully_shard whole", "pure JAX SPMD")
-SHARDED = ("sharded", "sharded remat_stack")
+FLOAT32 = ("sharded", "sharded remat_stack", "fully_shard whole", "pure JAX SPMD")
+BF16 = ("sharded remat_stack bf16", "fully_shard whole bf16")
+NAMES = FLOAT32 + BF16
+SHARDED = ("sharded", "sharded remat_stack", "sharded remat_stack bf16")
 WORLD = 2
 LR, WEIGHT_DECAY = 1e-3, 1e-2  # torch.optim.AdamW and optax.adamw, same betas and eps
 # Sharded step <= this x pure JAX SPMD. The bridge runs a step as two SPMD programs (forward
@@ -51,6 +55,7 @@ TARGET = 1.5
 # holding 1/N of the block (a gather per layer where FSDP2 gathers the block once).
 FSDP_TARGET = 1.3
 AGREE = 1e-4  # relative difference of the checked losses, float32 sums in three orders
+BF16_AGREE = 2.0**-5  # the bfloat16 contestants' losses against pure JAX's float32 ones
 
 
 # -- one worker process ---------------------------------------------------------------------
@@ -101,7 +106,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     sys.path.insert(0, str(HERE))
@@ -127,18 +132,30 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     sharded.to_empty(device="cpu")
     sharded.reset_parameters()  # each rank computes its own shards
     initial = {n: p.full_tensor() for n, p in sharded.named_parameters()}
-    with torch.device("meta"):  # the same parameters (names, shapes), the same function
-        stacked = FlaxModule(RematStack(width, lengths), example_args=(torch.zeros(batch, width),))
-    shard(stacked, mesh)
-    stacked.to_empty(device="cpu")
-    with torch.no_grad():
-        for n, p in stacked.named_parameters():
-            p.to_local().copy_(distribute_tensor(initial[n].detach(), mesh, p.placements,
-                                                 src_data_rank=None).to_local())
-    whole = build()
-    whole.to_empty(device="cpu")
-    whole.load_state_dict(initial)
-    fully_shard(whole, mesh=mesh)  # one FSDP2 unit: the whole block gathered for each step
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+
+    def build_stacked(mp_policy=None):
+        with torch.device("meta"):  # the same parameters (names, shapes), the same function
+            module = FlaxModule(RematStack(width, lengths),
+                                example_args=(torch.zeros(batch, width),))
+        shard(module, mesh, mp_policy=mp_policy)
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                p.to_local().copy_(distribute_tensor(initial[n].detach(), mesh, p.placements,
+                                                     src_data_rank=None).to_local())
+        return module
+
+    def build_whole(mp_policy=None):
+        module = build()
+        module.to_empty(device="cpu")
+        module.load_state_dict(initial)
+        # One FSDP2 unit: the whole block gathered for each step.
+        fully_shard(module, mesh=mesh, **({} if mp_policy is None else {"mp_policy": mp_policy}))
+        return module
+
+    stacked, whole = build_stacked(), build_whole()
+    stacked_bf16, whole_bf16 = build_stacked(bf16), build_whole(bf16)
 
     rng = np.random.default_rng(1)
     x_all, y_all = (rng.standard_normal((world * batch, width), dtype=np.float32)
@@ -153,7 +170,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
                                              weight_decay=WEIGHT_DECAY)
 
         def step():
-            loss = F.mse_loss(model(x), y)
+            loss = F.mse_loss(model(x).float(), y)  # a bfloat16 output's loss in float32
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -213,7 +230,9 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     steps = {"sharded": torch_step("sharded", sharded),
              "sharded remat_stack": torch_step("sharded remat_stack", stacked),
              "fully_shard whole": torch_step("fully_shard whole", whole),
-             "pure JAX SPMD": jax_step}
+             "pure JAX SPMD": jax_step,
+             "sharded remat_stack bf16": torch_step("sharded remat_stack bf16", stacked_bf16),
+             "fully_shard whole bf16": torch_step("fully_shard whole bf16", whole_bf16)}
 
     def global_loss(loss) -> float:
         if isinstance(loss, jax.Array):  # the mean over the global batch, replicated
@@ -246,14 +265,18 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
                "optimizer": _local_bytes(v for p in module.parameters()  # 0-d steps aside
                                          for v in opts[name].state[p].values() if v.dim())}
         for name, module in (("sharded", sharded), ("sharded remat_stack", stacked),
-                             ("fully_shard whole", whole))}
+                             ("fully_shard whole", whole),
+                             ("sharded remat_stack bf16", stacked_bf16),
+                             ("fully_shard whole bf16", whole_bf16))}
     report["held"]["pure JAX SPMD"] = {"params": addressable(box[0]),
                                        "optimizer": addressable(box[1])}
     report["programs"] = {
         "sharded": _bridge_programs(sharded),
         "sharded remat_stack": _bridge_programs(stacked),
         "fully_shard whole": _bridge_programs(whole),
-        "pure JAX SPMD": {"step": _program(compiled[0])}}
+        "pure JAX SPMD": {"step": _program(compiled[0])},
+        "sharded remat_stack bf16": _bridge_programs(stacked_bf16),
+        "fully_shard whole bf16": _bridge_programs(whole_bf16)}
     report["whole_params"] = sum(p.numel() * p.element_size() for p in initial.values())
     report["depth"] = math.prod(lengths)
     with open(f"{out}.{rank}.json", "w") as f:
@@ -312,14 +335,18 @@ def shard_rows(size_name: str, size: dict) -> list[dict]:
     times = {n: statistics.median(map(max, zip(*(r["times"][n] for r in ranks), strict=True)))
              for n in NAMES}
     losses, reference = ranks[0]["losses"], ranks[0]["losses"]["pure JAX SPMD"]
-    mismatch = max(abs(v - r) / abs(r) for n in NAMES
+    def mismatch_of(names):
+        return max(abs(v - r) / abs(r) for n in names
                    for v, r in zip(losses[n], reference, strict=True))
+
+    mismatch, mismatch_bf16 = mismatch_of(FLOAT32), mismatch_of(BF16)
     print(f"  SHARD: {describe}: {time.perf_counter() - t0:.0f} s", flush=True)
     return [dict(name="SHARD", describe=describe, times=times, rounds=spec["rounds"],
                  rank_medians={n: [statistics.median(r["times"][n]) for r in ranks]
                                for n in NAMES},
                  first={n: max(r["first"][n] for r in ranks) for n in NAMES},
-                 losses=losses, mismatch=mismatch, held=[r["held"] for r in ranks],
+                 losses=losses, mismatch=mismatch, mismatch_bf16=mismatch_bf16,
+                 held=[r["held"] for r in ranks],
                  programs=[r["programs"] for r in ranks], dims=ranks[0]["dims"],
                  whole_params=ranks[0]["whole_params"], depth=ranks[0]["depth"])]
 
@@ -346,14 +373,18 @@ def print_shard(rows: list[dict]) -> tuple[list[list[str]], str]:
         losses = ", ".join(f"{n} {v[0]:.6g} then {v[1]:.6g}" for n, v in r["losses"].items())
         head = [f"{r['describe']}; {r['rounds']} rounds",
                 f"global loss of step 1 and step 2: {losses}; max relative difference "
-                f"{r['mismatch']:.1e}"]
+                f"{r['mismatch']:.1e} (float32), {r['mismatch_bf16']:.1e} (bfloat16 policy, "
+                f"against pure JAX in float32)"]
         for line in head:
             print(f"  {line}")
         md += [f"### {title}", "", *(f"- {line[0].upper()}{line[1:]}." for line in head), ""]
-        targets.append([f"{r['name']}: the {len(NAMES)} contestants compute the same losses",
-                        "max |loss - pure JAX| / |loss|, steps 1 and 2",
+        targets.append([f"{r['name']}: the {len(FLOAT32)} float32 contestants compute the "
+                        f"same losses", "max |loss - pure JAX| / |loss|, steps 1 and 2",
                         f"{r['mismatch']:.1e}", _verdict(r["mismatch"] <= AGREE)])
-        if r["mismatch"] > AGREE:  # different computations: their times compare nothing
+        targets.append([f"{r['name']}: the bfloat16 contestants within bfloat16 of them",
+                        "max |loss - pure JAX| / |loss|, steps 1 and 2",
+                        f"{r['mismatch_bf16']:.1e}", _verdict(r["mismatch_bf16"] <= BF16_AGREE)])
+        if r["mismatch"] > AGREE or r["mismatch_bf16"] > BF16_AGREE:  # times compare nothing
             print("  times not reported: the contestants disagree\n")
             md += ["- Times not reported: the contestants disagree.", ""]
             continue
@@ -362,12 +393,14 @@ def print_shard(rows: list[dict]) -> tuple[list[list[str]], str]:
         table = []
         for n in NAMES:
             peaks = [max(p["peak"] for p in ranks[n].values()) for ranks in r["programs"]]
-            table.append([n, fmt_time(t[n]), f"{t[n] / base:.2f}x", f"{t[n] / fsdp:.2f}x",
+            against = t["fully_shard whole bf16"] if n in BF16 else fsdp
+            table.append([n, fmt_time(t[n]), f"{t[n] / base:.2f}x", f"{t[n] / against:.2f}x",
                           " / ".join(fmt_time(s) for s in r["rank_medians"][n]),
                           _ranks([h[n]["params"] for h in r["held"]], fmt_bytes),
                           _ranks([h[n]["optimizer"] for h in r["held"]], fmt_bytes),
                           _ranks(peaks, fmt_bytes), fmt_time(r["first"][n])])
-        md += [_table(["contestant", "step", "vs pure JAX", "vs fully_shard", "rank 0 / 1",
+        md += [_table(["contestant", "step", "vs pure JAX", "vs fully_shard (same policy)",
+                       "rank 0 / 1",
                        "params held", "AdamW state held", "largest program peak",
                        "first step"], table), ""]
         programs = [[n, kind, _ranks([ranks[n][kind]["peak"] for ranks in r["programs"]],
@@ -407,15 +440,16 @@ def print_shard(rows: list[dict]) -> tuple[list[list[str]], str]:
                             f"whole / {WORLD} + one layer",
                             f"{fmt_bytes(held)} vs {fmt_bytes(limit)}",
                             f"{held / (3 * whole):.2f} of whole", _verdict(held <= limit)])
-        for n in SHARDED:
+        for n in (n for n in SHARDED if n not in BF16):  # pure JAX runs in float32
             ratio = t[n] / base
             targets.append([f"{r['name']}: {n} step <= {TARGET}x pure JAX SPMD",
                             f"{fmt_time(t[n])} vs {fmt_time(base)}", f"{ratio:.2f}x",
                             _verdict(ratio <= TARGET)])
         for n in SHARDED:
-            ratio = t[n] / fsdp
-            targets.append([f"{r['name']}: {n} step <= {FSDP_TARGET}x fully_shard whole",
-                            f"{fmt_time(t[n])} vs {fmt_time(fsdp)}", f"{ratio:.2f}x",
+            against = "fully_shard whole bf16" if n in BF16 else "fully_shard whole"
+            ratio = t[n] / t[against]
+            targets.append([f"{r['name']}: {n} step <= {FSDP_TARGET}x {against}",
+                            f"{fmt_time(t[n])} vs {fmt_time(t[against])}", f"{ratio:.2f}x",
                             _verdict(ratio <= FSDP_TARGET)])
     return targets, "\n".join(md)
 
