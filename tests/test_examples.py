@@ -121,10 +121,12 @@ def _check_benchmark(done, out) -> None:
         # The floor runs the programs the bridge compiled, one per order and kind.
         assert all(p["compiled"] == 1 and p["runs"] >= 1 for p in r["programs"]), r
     assert max(p["order"] for p in higher["PINN"]["programs"]) == 3
-    (shard,) = results["shard"]  # 2 processes, four contestants
+    (shard,) = results["shard"]  # 2 processes, four contestants and two in bfloat16
     assert shard["mismatch"] < 1e-4, shard["losses"]
+    assert shard["mismatch_bf16"] < 2.0**-5, shard["losses"]
     assert set(shard["times"]) == {"sharded", "sharded remat_stack", "fully_shard whole",
-                                   "pure JAX SPMD"}
+                                   "pure JAX SPMD", "sharded remat_stack bf16",
+                                   "fully_shard whole bf16"}
     # remat_stack's loops: one collective per forward iteration (the packed gather).
     stack = shard["programs"][0]["sharded remat_stack"]
     assert stack["forward_with_residuals"]["in_loops"] == 1, stack
