@@ -99,6 +99,24 @@ class Graph:
         return f"Graph({type(self.graphdef).__name__}, hash={self._hash})"
 
 
+def _partition_names(params, n: int) -> list:
+    """Per Param leaf, the names its partitioning metadata gives its dimensions, or None.
+
+    The metadata key is ``out_sharding`` in flax 0.12.8 and ``sharding_names`` in 0.12.1;
+    one leaf per Variable (else no names at all: nothing is guessed).
+    """
+    variables = jtu.tree_leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if len(variables) != n:
+        return [None] * n
+    out = []
+    for v in variables:
+        meta = v.get_metadata() if isinstance(v, nnx.Variable) else {}
+        names = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding")
+                      if meta.get(k) is not None), None)
+        out.append(tuple(names) if isinstance(names, tuple | list) else None)
+    return out
+
+
 class NNXAdapter(Leaves):
     """An ``nnx.Module``: ``nnx.Param`` leaves are parameters, every other state a buffer.
 
@@ -122,6 +140,7 @@ class NNXAdapter(Leaves):
         self.rng_streams = tuple(rng_streams)
         p_leaves, _ = jtu.tree_flatten_with_path(params)
         r_leaves, _ = jtu.tree_flatten_with_path(rest)
+        self._param_names = _partition_names(params, len(p_leaves))
         self.treedef = jtu.tree_structure((params, rest))
         self._n_params = len(p_leaves)
         self._key_index = tuple(i for i, (_, leaf) in enumerate(r_leaves) if is_key(leaf))
@@ -149,6 +168,23 @@ class NNXAdapter(Leaves):
             [True] * len(p_leaves) + [False] * len(r_leaves),
             [leaf for _, leaf in p_leaves] + [leaf for _, leaf in r_leaves],
         )
+
+    def partition_names(self, axis_rules=None) -> list:
+        """Per leaf, the mesh axis names ``nnx.with_partitioning`` gives its dimensions.
+
+        NNX does not mark names as logical: a name that ``axis_rules`` (Flax's logical
+        axis rules) has a rule for is mapped by its first rule, any other is a mesh axis
+        name as it stands. ``None`` for a leaf without metadata (every non-Param leaf).
+        """
+        rules = {}
+        for logical, mesh_axis in axis_rules or ():
+            rules.setdefault(logical, mesh_axis)
+
+        def mesh_names(names):
+            return None if names is None else tuple(rules.get(n, n) for n in names)
+
+        return ([mesh_names(n) for n in self._param_names]
+                + [None] * (len(self.names) - self._n_params))
 
     def _check_streams(self, held: set) -> None:
         """Refuses a requested stream that no RNG key of the module carries.

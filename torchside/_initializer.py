@@ -16,6 +16,8 @@ values (Flax's layers, whose initializers read shapes only).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -52,7 +54,7 @@ class Initializer:
         if self.nnx:
             from flax import nnx
 
-            return nnx.eval_shape(lambda: self.module(nnx.Rngs(self.seed)))
+            return nnx.eval_shape(self._build_nnx)
         leaves, treedef = jtu.tree_flatten((self.args, self.kwargs))
         shaped = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
 
@@ -72,10 +74,9 @@ class Initializer:
         """
         target = bridge.jax_device(device, name="variables")
         if self.nnx:
-            from flax import nnx
 
             with jax.default_device(target):
-                return self.module(nnx.Rngs(self.seed))
+                return self._build_nnx()
         if args is None:
             args, kwargs = _zeros(self.args), _zeros(self.kwargs)
         else:
@@ -94,7 +95,7 @@ class Initializer:
             from flax import nnx
 
             def build():
-                return nnx.split(self.module(nnx.Rngs(self.seed)), nnx.Param, ...)[1:]
+                return nnx.split(self._build_nnx(), nnx.Param, ...)[1:]
 
             return jax.jit(build, out_shardings=out_shardings)()
         leaves, treedef = jtu.tree_flatten((self.args, self.kwargs))
@@ -105,6 +106,19 @@ class Initializer:
             return self._init(*jtu.tree_unflatten(treedef, full), None)
 
         return jax.jit(init, out_shardings=out_shardings)()
+
+    def _build_nnx(self):
+        """The NNX factory's module, with its variables' partitioning kept as metadata.
+
+        Flax 0.12's eager sharding would place a variable made with
+        ``nnx.with_partitioning`` on a mesh at creation and needs one in context; torch owns
+        the values and ``torchside.shard`` reads the metadata, so it is off here.
+        """
+        from flax import nnx
+
+        off = getattr(nnx, "use_eager_sharding", None)
+        with off(False) if off is not None else contextlib.nullcontext():
+            return self.module(nnx.Rngs(self.seed))
 
     def _init(self, args, kwargs, device):
         init_rngs = {"params": jax.random.key(self.seed)}

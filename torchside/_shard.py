@@ -3,7 +3,8 @@
 NOTE [Sharded blocks]. ``shard(module, mesh)`` makes each floating parameter of a
 ``FlaxModule`` a DTensor over a one-dimensional ``DeviceMesh`` (one rank per process):
 ``Shard(dim)`` on the dimension Flax's partitioning metadata names for the mesh's axis
-(``nn.with_partitioning``, or ``nn.with_logical_partitioning`` with ``axis_rules``), else,
+(``nn.with_partitioning``, or ``nn.with_logical_partitioning`` with ``axis_rules``; in NNX,
+``nnx.with_partitioning``, whose names ``axis_rules`` maps where it has a rule), else,
 FSDP-style, on the last dimension that divides by the mesh size (scanned stacks keep their
 layer axes first, so each scan iteration gathers its own layer), else ``Replicate()``.
 Buffers stay plain tensors, the same on every rank.
@@ -70,7 +71,8 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         mesh: a one-dimensional ``torch.distributed.DeviceMesh``; ``None`` makes one over
             every rank, on the CPU or, where CUDA is available, each rank's current GPU.
         axis_rules: Flax logical axis rules (``(("embed", "shard"), ...)``) for
-            parameters made with ``nn.with_logical_partitioning``.
+            parameters made with ``nn.with_logical_partitioning`` (or an NNX factory's
+            ``nnx.with_partitioning`` with logical names).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as ``fully_shard``
             takes it; dtypes ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or
             ``None``, with ``reduce_dtype`` ``None`` or ``param_dtype`` (gradients are

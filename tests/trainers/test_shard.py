@@ -155,13 +155,15 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
     # logical axis rules); the rest FSDP-style, on the last that divides.
     # Every one is halved on its first dimension: a kernel's by the metadata (else its
     # last), a bias's as its last.
-    whole = reference["tagged"]["local"]
-    assert sum(len(shape) == 2 for shape in whole.values()) == 2, whole
-    for r, report in enumerate(ranks):
-        got = report["tagged"]["local"]
-        assert got == {n: (w[0] // 2, *w[1:]) for n, w in whole.items()}, (r, got, whole)
-    halves = torch.cat([report["tagged"]["out"] for report in ranks])
-    _close({"out": halves}, {"out": reference["tagged"]["out"]}, "the tagged module's output")
+    for prefix in ("", "nnx_"):  # Linen's boxes, and NNX's Variable metadata
+        whole = reference["tagged"][f"{prefix}local"]
+        assert sum(len(shape) == 2 for shape in whole.values()) == 2, whole
+        for r, report in enumerate(ranks):
+            got = report["tagged"][f"{prefix}local"]
+            assert got == {n: (w[0] // 2, *w[1:]) for n, w in whole.items()}, (r, got, whole)
+        halves = torch.cat([report["tagged"][f"{prefix}out"] for report in ranks])
+        _close({"out": halves}, {"out": reference["tagged"][f"{prefix}out"]},
+               f"the {prefix}tagged module's output")
     # Derivatives of the backward and torch.func: refused by name on the sharded block
     # (they run on the same block unsharded), parameters untouched.
     assert reference["refusals"] == {"create_graph": "ran", "vmap": "ran"}
