@@ -131,25 +131,35 @@ def test_checkpoint_static_argnums(fn, static):
     assert len(pipeline.entries(checked.wrapped)) == 1  # non-tensor arguments are static
 
 
-@covers("jax.checkpoint", "static_argnames= (default jax config)", result="error",
-        note="jax 0.10.2 honours static_argnames only under the experimental jax_remat3 "
-             "flag; without it pure JAX raises the TypeError the bridge passes on")
-@needs_remat3
-def test_checkpoint_static_argnames_needs_remat3():
-    fn = jax.checkpoint(by_name, static_argnames=("mode",))
-    with pytest.raises(TypeError, match="'tanh' of type <class 'str'> is not a valid JAX"):
-        fn(jnp.ones(5), mode="tanh")  # pure JAX
-    with pytest.raises(TypeError, match="'tanh' of type <class 'str'> is not a valid JAX"):
-        jax_function(fn)(torch.randn(5), mode="tanh")
+def _remat3(on: bool):
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", on)
+    yield
+    jax.config.update("jax_remat3", before)
 
 
 @pytest.fixture
 def remat3():
     """JAX's experimental remat implementation, for this test only."""
-    before = jax.config.jax_remat3
-    jax.config.update("jax_remat3", True)
-    yield
-    jax.config.update("jax_remat3", before)
+    yield from _remat3(True)
+
+
+@pytest.fixture
+def remat3_off():
+    """JAX's default remat, for this test only (CI also runs the suite with remat3 on)."""
+    yield from _remat3(False)
+
+
+@covers("jax.checkpoint", "static_argnames= (default jax config)", result="error",
+        note="jax 0.10.2 honours static_argnames only under the experimental jax_remat3 "
+             "flag; without it pure JAX raises the TypeError the bridge passes on")
+@needs_remat3
+def test_checkpoint_static_argnames_needs_remat3(remat3_off):
+    fn = jax.checkpoint(by_name, static_argnames=("mode",))
+    with pytest.raises(TypeError, match="'tanh' of type <class 'str'> is not a valid JAX"):
+        fn(jnp.ones(5), mode="tanh")  # pure JAX
+    with pytest.raises(TypeError, match="'tanh' of type <class 'str'> is not a valid JAX"):
+        jax_function(fn)(torch.randn(5), mode="tanh")
 
 
 @covers("jax.checkpoint", "static_argnames= (jax_remat3 on)", "policy= (jax_remat3 on)")

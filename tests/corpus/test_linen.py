@@ -16,6 +16,14 @@ from tests.support import pipeline
 from tests.support.corpus_helpers import check_linen, covers
 from torchside import FlaxModule
 
+# Flax's remat_scan with variable_broadcast= raises in pure Flax under jax_remat3 (jax
+# 0.10.2, flax 0.12.8): JAX's behaviour, not the bridge's (docs/design.md, "JAX's remat3").
+# Strict: the day it runs, these cases fail until the mark goes.
+BROADCAST_UNDER_REMAT3 = pytest.mark.xfail(
+    bool(getattr(jax.config, "jax_remat3", False)), raises=ValueError, strict=True,
+    reason="nn.remat_scan(variable_broadcast=) raises 'broadcasted variable has a data "
+           "dependency on the scan body' under jax_remat3, in pure Flax too")
+
 POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -80,6 +88,7 @@ class SharedParamStack(nn.Module):
 @covers("nn.remat_scan", "variable_broadcast= (shared parameters inside the stack)")
 @pytest.mark.parametrize("stack", [SharedParamStack, SharedStack],
                          ids=["broadcast-params", "broadcast-other-collection"])
+@BROADCAST_UNDER_REMAT3
 def test_remat_scan_variable_broadcast(stack):
     checked = check_linen(stack(), (torch.randn(4, 5),))
     if stack is SharedParamStack:  # one kernel for all layers, not a stacked one
@@ -280,7 +289,9 @@ def test_scan_lstm_time_axis_1():
         "/ variable_carry stacks here; BatchNorm too)",
         note="the written-back leaves are saved as clones, so the recompute sees the "
              "forward's state")
-@pytest.mark.parametrize("stack", [SharedStack, CountingStack], ids=["broadcast", "carry"])
+@pytest.mark.parametrize("stack", [
+    pytest.param(SharedStack, marks=BROADCAST_UNDER_REMAT3), CountingStack],
+    ids=["broadcast", "carry"])
 def test_recompute_mode_with_written_back_state(stack):
     variables = _with_counter(5) if stack is CountingStack else None
     check_linen(stack(), (torch.randn(4, 5),), variables=variables, residuals="recompute")
