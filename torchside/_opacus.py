@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+import bridge
 from flaxside.internal import per_sample_vjp_function
 from torchside import _errors
 from torchside._higher import derived
@@ -73,9 +74,10 @@ def per_sample_gradients(module: FlaxModule, activations, backprops) -> dict:
     batched = tuple(arguments.start <= i < arguments.stop for i in range(len(leaves)))
     owner = derived(caller.edges, entry, "per-sample vjp",
                     lambda program: per_sample_vjp_function(program, batched), batched)
+    # In the program's output dtype (autocast may have cast the output torch saw).
+    out_dtype = bridge.torch_dtype(entry.program.out_specs[entry.diff_out_index[0]].dtype)
     with torch.no_grad():
-        grads = owner(leaves, [backprops.to(call.tensors[0].dtype)
-                               if call.tensors else backprops])
+        grads = owner(leaves, [backprops.to(out_dtype)])
     params = [scope._parameters.get(name) for scope, name, _ in module._refs]
     return {params[i]: g for i, g in zip(entry.grad_slots, grads, strict=True)
             if params[i] is not None}
