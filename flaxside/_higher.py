@@ -11,7 +11,10 @@ exactly what the program's first-order executables compute:
 * ``jvp_function(program)``: ``g(leaves, tangents) -> (outputs, output tangents)`` for the
   differentiable outputs (forward mode: ``jax.jvp``);
 * ``batched_function(program, in_axes)``: the program's results under ``jax.vmap`` (for
-  torch.func's ``vmap``; a batched RNG leaf gives each entry its own key).
+  torch.func's ``vmap``; a batched RNG leaf gives each entry its own key);
+* ``per_sample_vjp_function(program, batched)``: the gradients of each sample, for a
+  program traced for one sample (a batch of one): ``jax.vmap`` over the batch of
+  ``vjp_function`` (for Opacus's per-sample gradients, ``torchside/_opacus.py``).
 
 Each is an ordinary JAX function: the torch side wraps it in a call of its own, whose
 backward is the VJP of this one, and so on, to any order JAX can differentiate.
@@ -89,3 +92,28 @@ def batched_function(program: Program, in_axes: tuple) -> Callable:
 
     return h
 
+
+
+def per_sample_vjp_function(program: Program, batched: tuple[bool, ...]) -> Callable:
+    """``f(leaves, cotangents)``: per sample, the gradients of ``program``'s ``diff`` leaves.
+
+    ``program`` is traced for one sample: every leaf marked in ``batched`` has a leading
+    axis of size 1. ``f`` takes those leaves with the whole batch on axis 0 (the other
+    leaves, the parameters, as they are) and one cotangent per differentiable output,
+    batched the same way, and returns per ``diff`` leaf its gradients stacked on a new
+    axis 0: the gradient sample ``i``'s cotangent pulls through sample ``i``'s forward. One
+    program for the batch: ``jax.vmap`` of ``vjp_function``, whose forward is the
+    program's own traced body (its remat policy included). Exact for a block whose output
+    for sample ``i`` depends only on input ``i``.
+    """
+    vjp = vjp_function(program)
+    axes = [0 if b else None for b in batched]
+
+    def one(leaves, cotangents):
+        leaves = [x[None] if b else x for x, b in zip(leaves, batched, strict=True)]
+        return vjp(leaves, [c[None] for c in cotangents])
+
+    def f(leaves, cotangents):
+        return jax.vmap(one, in_axes=(axes, 0))(list(leaves), list(cotangents))
+
+    return f

@@ -3,6 +3,7 @@
 The call pipeline behind them (``_call.py``, NOTE [Call path]) is private.
 """
 
+from torchside import _opacus as _opacus  # registers with Opacus when it is imported
 from torchside import parity as parity
 from torchside._jax_function import JaxFunction as JaxFunction
 from torchside._jax_function import jax_function as jax_function

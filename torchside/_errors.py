@@ -320,3 +320,35 @@ def mp_policy_field(where: str, field: str, value, supported: str, why: str) -> 
         f"{supported} there ({why}). Pass MixedPrecisionPolicy({field}=...) with one of "
         f"those; the module is unchanged."
     )
+
+
+def per_sample_batch(where: str, k: int, value, n: int) -> ValueError:
+    """Opacus's per-sample gradients of a call whose argument is not batched on dim 0."""
+    got = (f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+           else type(value).__name__)
+    return ValueError(
+        f"{where} under Opacus: positional argument {k} has {got}, but per-sample gradients "
+        f"need every argument to be a tensor with the batch ({n} samples, as the output) on "
+        f"dimension 0 (Opacus's batch_first=True). Pass batch-first tensors only; other "
+        f"values belong in the Flax module's attributes."
+    )
+
+
+def per_sample_unsupported(where: str, what: str) -> NotImplementedError:
+    """Opacus's per-sample gradients of a call they cannot be computed for."""
+    return NotImplementedError(
+        f"{where} under Opacus: per-sample gradients of a block with {what} are not "
+        f"supported: they are computed sample by sample from the first output's gradient "
+        f"alone, without the forward's RNG key or its state updates. Use a block with one "
+        f"output and no dropout or batch statistics (or call it in eval() mode)."
+    )
+
+
+def per_sample_state(where: str, names: list) -> str:
+    """Opacus's validator: a FlaxModule that holds state besides parameters."""
+    return (
+        f"{where} holds state besides parameters ({', '.join(names)}): a train-mode call "
+        f"updates it from the whole batch (batch statistics), so per-sample gradients "
+        f"through it are not per sample. Use a normalization without batch statistics "
+        f"(nn.LayerNorm, nn.GroupNorm) for differential privacy."
+    )

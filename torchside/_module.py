@@ -248,6 +248,17 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
         call = self._resolve(args, kwargs)
         return finish(call, self._caller(call, self._write_back))
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """Torch's ``named_parameters``; with ``recurse=False``, the block's parameters too.
+
+        The parameters sit on scope submodules (``params.Dense_0``) that never run: the
+        FlaxModule is the module that runs them, and says so where torch asks which module
+        owns a parameter. Hook-based libraries hook the modules that answer here (Opacus:
+        NOTE [Opacus] in ``_opacus.py``). Names are unchanged: ``params.Dense_0.kernel``.
+        """
+        return super().named_parameters(prefix, True, remove_duplicate)
+
     # -- dtype and device moves ---------------------------------------------------------
     def to(self, *args, **kwargs):  # noqa: D102
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
