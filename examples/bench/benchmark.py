@@ -135,7 +135,8 @@ from _report import (  # noqa: E402
     print_targets,
     print_workloads,
 )
-from _shard import print_shard, shard_rows  # noqa: E402
+from _shard import shard_rows  # noqa: E402
+from _shard_report import print_shard  # noqa: E402
 from _workloads import (  # noqa: E402
     FLAX_VARIANTS,
     RematScan,

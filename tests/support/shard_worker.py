@@ -34,72 +34,19 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import flaxside  # noqa: E402
 from tests.support import pipeline  # noqa: E402
+from tests.support.tagged_case import BATCH, WIDTH, tagged  # noqa: E402
 from tests.support.twins import ReadmeBlock, ReadmeDeep  # noqa: E402
 from tests.support.twins_parity import TWINS  # noqa: E402
 from torchside import FlaxModule, shard  # noqa: E402
 from torchside.parity import copy_weights  # noqa: E402
 
-STEPS, BATCH, WIDTH, LENGTHS = 3, 8, 16, (4, 2)
-
-
-class Tagged(nn.Module):
-    """Kernels whose Flax partitioning metadata names their first dimension for the mesh's
-    axis, once directly and once through logical axis rules (``TAGGED_RULES``); without
-    it both would be sharded on their last."""
-
-    @nn.compact
-    def __call__(self, x):
-        init = nn.initializers.lecun_normal()
-        h = nn.Dense(WIDTH, kernel_init=nn.with_partitioning(init, ("shard", None)))(x)
-        return nn.Dense(2 * WIDTH, kernel_init=nn.with_logical_partitioning(
-            init, ("embed", "mlp")))(jnp.tanh(h))
-
-
-TAGGED_RULES = (("embed", "shard"), ("mlp", None))
-
-
-class NnxTagged(nnx.Module):
-    """``Tagged`` in NNX: the same metadata on ``nnx.Linear`` kernels (``(in, out)``)."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        init = nnx.initializers.lecun_normal()
-        self.fc1 = nnx.Linear(WIDTH, WIDTH, rngs=rngs,
-                              kernel_init=nnx.with_partitioning(init, ("shard", None)))
-        self.fc2 = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs,
-                              kernel_init=nnx.with_partitioning(init, ("embed", "mlp")))
-
-    def __call__(self, x):
-        return self.fc2(jnp.tanh(self.fc1(x)))
-
-
-def tagged(sharded: bool, device: str, x: torch.Tensor) -> dict:
-    """``Tagged``'s and ``NnxTagged``'s local shapes and outputs for ``x`` (this rank's rows).
-
-    The NNX module is built from its factory, as on meta it must be: an NNX module made
-    directly runs JAX, and flax 0.12 would need a mesh in context for its metadata."""
-    out = {}
-    for prefix, make in (("", lambda: FlaxModule(Tagged(), example_args=(
-            torch.zeros(BATCH, WIDTH),), seed=3)), ("nnx_", lambda: FlaxModule(NnxTagged,
-                                                                             seed=3))):
-        with torch.device("meta" if sharded else device):
-            module = make()
-        if sharded:
-            shard(module, axis_rules=TAGGED_RULES)
-            module.to_empty(device=device)
-            module.reset_parameters()
-        out[f"{prefix}local"] = {n: tuple(p.to_local().shape) if hasattr(p, "to_local")
-                                 else tuple(p.shape) for n, p in module.named_parameters()}
-        out[f"{prefix}out"] = module(x).detach().cpu()
-    return out
+STEPS, LENGTHS = 3, (4, 2)  # BATCH and WIDTH: tagged_case, which shares them
 
 
 TWIN = TWINS["transformer"]  # pre-LayerNorm causal attention + MLP, width 16, 2 heads
