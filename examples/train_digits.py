@@ -125,15 +125,15 @@ def split_depth(depth: int) -> tuple[int, int]:
     return outer, depth // outer
 
 
-def load_data(seed: int):
+def load_data(seed: int, limit: int | None = None):
+    """Train and held-out images and labels (at most ``limit`` of each), standardized."""
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     x = (x - x.mean(axis=0)) / (x.std(axis=0) + 1e-3)
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
     )
-    as_t = torch.from_numpy
-    return as_t(x_tr), as_t(y_tr), as_t(x_te), as_t(y_te)
+    return tuple(torch.from_numpy(a[:limit]) for a in (x_tr, y_tr, x_te, y_te))
 
 
 def main(argv=None) -> dict:
@@ -149,10 +149,7 @@ def main(argv=None) -> dict:
 
     start = time.perf_counter()
     torch.manual_seed(args.seed)
-    x_tr, y_tr, x_te, y_te = load_data(args.seed)
-    if args.limit:
-        x_tr, y_tr = x_tr[: args.limit], y_tr[: args.limit]
-        x_te, y_te = x_te[: args.limit], y_te[: args.limit]
+    x_tr, y_tr, x_te, y_te = load_data(args.seed, args.limit)
     lengths = split_depth(args.depth)
     model = DigitsClassifier(args.width, lengths)
     n_params = sum(p.numel() for p in model.parameters())

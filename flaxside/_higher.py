@@ -14,7 +14,9 @@ exactly what the program's first-order executables compute:
   torch.func's ``vmap``; a batched RNG leaf gives each entry its own key);
 * ``per_sample_vjp_function(program, batched)``: the gradients of each sample, for a
   program traced for one sample (a batch of one): ``jax.vmap`` over the batch of
-  ``vjp_function`` (for Opacus's per-sample gradients, ``torchside/_opacus.py``).
+  ``vjp_function`` (for Opacus's per-sample gradients, ``torchside/_opacus.py``);
+* ``per_sample_norms_function(program, batched)``: the 2-norm of each of those gradients
+  (for Opacus's fast gradient clipping, which needs the norms only).
 
 Each is an ordinary JAX function: the torch side wraps it in a call of its own, whose
 backward is the VJP of this one, and so on, to any order JAX can differentiate.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from flaxside._bodies import replaced
 from flaxside._conventions import conj
@@ -115,5 +118,25 @@ def per_sample_vjp_function(program: Program, batched: tuple[bool, ...]) -> Call
 
     def f(leaves, cotangents):
         return jax.vmap(one, in_axes=(axes, 0))(list(leaves), list(cotangents))
+
+    return f
+
+
+def per_sample_norms_function(program: Program, batched: tuple[bool, ...]) -> Callable:
+    """``f(leaves, cotangents)``: per ``diff`` leaf, each sample's gradient's 2-norm.
+
+    As ``per_sample_vjp_function``, reduced in the same program: ``f`` returns a vector of
+    the batch's length per leaf. The per-sample gradients exist only inside the compiled
+    program (XLA's temporaries, freed there), never as its outputs; the sum of squares
+    runs in float32 at least, as ``torch.linalg.vector_norm`` of a bfloat16 tensor does.
+    """
+    grads = per_sample_vjp_function(program, batched)
+
+    def f(leaves, cotangents):
+        out = []
+        for g in grads(leaves, cotangents):
+            wide = g.reshape(g.shape[0], -1).astype(jnp.promote_types(g.dtype, jnp.float32))
+            out.append(jnp.linalg.norm(wide, axis=1).astype(jnp.finfo(g.dtype).dtype))
+        return out
 
     return f

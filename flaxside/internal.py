@@ -11,6 +11,7 @@ from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
 from flaxside._higher import batched_function as batched_function
 from flaxside._higher import jvp_function as jvp_function
+from flaxside._higher import per_sample_norms_function as per_sample_norms_function
 from flaxside._higher import per_sample_vjp_function as per_sample_vjp_function
 from flaxside._higher import vjp_function as vjp_function
 from flaxside._leaves import WriteBack as WriteBack
@@ -52,6 +53,7 @@ __all__ = [
     "is_differentiable",
     "jvp_function",
     "key_data_shape",
+    "per_sample_norms_function",
     "per_sample_vjp_function",
     "program_report",
     "unpack",

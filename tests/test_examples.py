@@ -22,6 +22,7 @@ TINY_ARGS = {
     "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4",
                        "--rounds", "1"],  # without a GPU it says so and exits 0
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
+    "train_dp.py": ["--depth", "4", "--epochs", "1", "--limit", "128", "--batch", "32"],
     "bench/benchmark.py": ["--smoke", "--out", "{out}"],
     "exit_aborts.py": ["--runs", "1"],
     "pinn.py": ["--steps", "40", "--points", "64", "--out", "{out}"],
@@ -71,6 +72,12 @@ def _check_train_digits(done, out) -> None:
     assert float(held.group(1)) < float(held.group(2))
 
 
+def _check_train_dp(done, out) -> None:
+    epsilon = re.search(r"held-out accuracy ([\d.]+)  epsilon ([\d.]+)", done.stdout)
+    assert epsilon, done.stdout
+    assert 0 < float(epsilon.group(2)) <= 4.0 + 1e-6, done.stdout  # the default budget
+
+
 def _check_train_lm(done, out) -> None:
     losses = [float(x) for x in re.findall(r"^step +\d+/\d+  loss ([\d.]+)", done.stdout, re.M)]
     assert len(losses) == 4, done.stdout  # steps 1, 10, 20, 30
@@ -103,6 +110,9 @@ def _check_benchmark(done, out) -> None:
     assert leaves["counts"] == [1, 4] and leaves["mismatch"] < 1e-4
     assert set(leaves["per_leaf"]) == {"bridge", "pure JAX", "torch"}
     assert "Targets" in done.stdout
+    (dp,) = results["dp"]  # DP-SGD through Opacus: one noiseless step agrees with pure JAX
+    assert max(dp["mismatch"].values()) < 1e-4 and set(dp["times"]) == {
+        "bridge", "bridge ghost", "torch", "torch ghost", "pure JAX"}, dp
     lm = {r["name"]: r for r in results["lm"]}
     assert "own Linen GPT-2" in lm
     for r in lm.values():  # the JAX routes compute one loss
@@ -158,6 +168,7 @@ def _check_exit_aborts(done, out) -> None:
 
 CHECKS = {
     "train_digits.py": _check_train_digits,
+    "train_dp.py": _check_train_dp,
     "bench/benchmark.py": _check_benchmark,
     "train_lm.py": _check_train_lm,
     "exit_aborts.py": _check_exit_aborts,

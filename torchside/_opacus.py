@@ -1,14 +1,16 @@
-"""Opacus (DP-SGD) over a FlaxModule: its per-sample gradients, its validator.
+"""Opacus (DP-SGD) over a FlaxModule: its per-sample gradients and norms, its validator.
 
 NOTE [Opacus]. Opacus (``opacus/grad_sample/grad_sample_module.py``) hooks the modules
 that own parameters directly (``parameters(recurse=False)``) and, in the backward hook,
-hands a module's grad sampler its inputs (``activations``) and the gradient of its first
-output (``backprops``, already scaled for a mean loss). A FlaxModule is the module that
-runs its parameters, so it answers ``named_parameters(recurse=False)`` with them
-(``FlaxModule.named_parameters``), and Opacus hooks it; ``per_sample_gradients`` is its
-grad sampler and ``validate`` its validator, registered with Opacus's own registries
-(``register_grad_sampler``, ``register_module_validator``) when Opacus is imported,
-before or after ``torchside`` (``_WhenImported``): flaxtorch never imports Opacus itself.
+hands a module's grad sampler (its norm sampler, under fast gradient clipping) its inputs
+(``activations``) and the gradient of its first output (``backprops``, already scaled for
+a mean loss). A FlaxModule is the module that runs its parameters, so it answers
+``named_parameters(recurse=False)`` with them (``FlaxModule.named_parameters``), and
+Opacus hooks it; ``per_sample_gradients`` is its grad sampler, ``per_sample_norms`` its
+norm sampler and ``validate`` its validator, registered with Opacus's own registries
+(``register_grad_sampler``, ``register_norm_sampler``, ``register_module_validator``) when
+Opacus is imported, before or after ``torchside`` (``_WhenImported``): flaxtorch never
+imports Opacus itself.
 
 The per-sample gradients of the whole block are one JAX program: the block's program is
 built for one sample (each argument's first row, a batch of one) and
@@ -27,7 +29,7 @@ import sys
 import torch
 
 import bridge
-from flaxside.internal import per_sample_vjp_function
+from flaxside.internal import per_sample_norms_function, per_sample_vjp_function
 from torchside import _errors
 from torchside._higher import derived
 from torchside._module import FlaxModule
@@ -45,6 +47,28 @@ def per_sample_gradients(module: FlaxModule, activations, backprops) -> dict:
         ValueError: an argument is not batched on dimension 0 like the output.
         NotImplementedError: the call draws an RNG key, writes state back, has more
             than one differentiable output, or the module is sharded.
+    """
+    return _per_sample(module, activations, backprops, "per-sample vjp",
+                       per_sample_vjp_function)
+
+
+def per_sample_norms(module: FlaxModule, activations, backprops) -> dict:
+    """Opacus's norm sampler of a FlaxModule: ``{parameter: per-sample gradient norms}``.
+
+    For fast gradient clipping (``GradSampleModuleFastGradientClipping``, ``make_private``
+    with ``grad_sample_mode="ghost"``): one JAX program returns the norms only, a vector of
+    the batch's length per parameter; the per-sample gradients are never torch tensors.
+    Arguments and errors as ``per_sample_gradients``.
+    """
+    return _per_sample(module, activations, backprops, "per-sample norms",
+                       per_sample_norms_function)
+
+
+def _per_sample(module: FlaxModule, activations, backprops, kind: str, make) -> dict:
+    """``{parameter: make's result}``, one JAX program for the batch.
+
+    ``make(program, batched)`` of the block's program for one sample, run on the whole
+    batch with ``backprops`` as the cotangents.
     """
     caller = module._caller
     where = caller.where
@@ -72,14 +96,13 @@ def per_sample_gradients(module: FlaxModule, activations, backprops) -> dict:
     leaves = list(leaves)
     leaves[arguments] = list(activations)
     batched = tuple(arguments.start <= i < arguments.stop for i in range(len(leaves)))
-    owner = derived(caller.edges, entry, "per-sample vjp",
-                    lambda program: per_sample_vjp_function(program, batched), batched)
+    owner = derived(caller.edges, entry, kind, lambda program: make(program, batched), batched)
     # In the program's output dtype (autocast may have cast the output torch saw).
     out_dtype = bridge.torch_dtype(entry.program.out_specs[entry.diff_out_index[0]].dtype)
     with torch.no_grad():
-        grads = owner(leaves, [backprops.to(out_dtype)])
+        results = owner(leaves, [backprops.to(out_dtype)])
     params = [scope._parameters.get(name) for scope, name, _ in module._refs]
-    return {params[i]: g for i, g in zip(entry.grad_slots, grads, strict=True)
+    return {params[i]: r for i, r in zip(entry.grad_slots, results, strict=True)
             if params[i] is not None}
 
 
@@ -99,11 +122,12 @@ def validate(module: FlaxModule) -> list:
 
 
 def register() -> None:
-    """Registers the grad sampler and the validator with Opacus (imports it)."""
-    from opacus.grad_sample.utils import register_grad_sampler
+    """Registers the grad and norm samplers and the validator with Opacus (imports it)."""
+    from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
     from opacus.validators.utils import register_module_validator
 
     register_grad_sampler(FlaxModule)(per_sample_gradients)
+    register_norm_sampler(FlaxModule)(per_sample_norms)
     register_module_validator(FlaxModule)(validate)
 
 

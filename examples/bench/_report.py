@@ -268,6 +268,21 @@ def print_targets(results: dict, extra: list | None = None) -> str:
 _KINDS = {"forward_with_residuals": "forward with residuals", "backward": "backward"}
 
 
+def ratio_targets(row: dict, limits, agreement: tuple[str, str]) -> list[list[str]]:
+    """Target rows of one workload: ``bridge <= limit x other`` for each ``(label, other,
+    limit)`` of ``limits``, then the agreement row (``(what, measured as)``) of its worst
+    ``mismatch``, at most 1e-4."""
+    t, rows = row["times"], []
+    for label, other, limit in limits:
+        ratio = t["bridge"] / t[other]
+        rows.append([f"{row['name']}: bridge <= {limit}x {label}",
+                     f"{fmt_time(t['bridge'])} vs {fmt_time(t[other])}",
+                     f"{ratio:.2f}x", _verdict(ratio <= limit)])
+    worst = max(row["mismatch"].values())
+    return [*rows, [f"{row['name']}: {agreement[0]}", agreement[1], f"{worst:.1e}",
+                    _verdict(worst <= 1e-4)]]
+
+
 def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
     """Prints the higher-order tables (``_higher.py``).
 
@@ -332,14 +347,8 @@ def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
         print(split)
         print()
         md += ["", f"- {split}", ""]
-        for label, other, limit in (("pure JAX jit(grad)", "pure JAX", TARGETS[r["name"]]),
-                                    ("the no-bridge floor", "no bridge", FLOOR_TARGET)):
-            ratio = t["bridge"] / t[other]
-            targets.append([f"{r['name']}: bridge <= {limit}x {label}",
-                            f"{fmt_time(t['bridge'])} vs {fmt_time(t[other])}",
-                            f"{ratio:.2f}x", _verdict(ratio <= limit)])
-        worst = max(r["mismatch"].values())
-        targets.append([f"{r['name']}: every contestant computes the same parameter gradients",
-                        "worst leaf: max |g - pure JAX| / max |pure JAX|", f"{worst:.1e}",
-                        _verdict(worst <= 1e-4)])
+        targets += ratio_targets(r, (("pure JAX jit(grad)", "pure JAX", TARGETS[r["name"]]),
+                                     ("the no-bridge floor", "no bridge", FLOOR_TARGET)),
+                                 ("every contestant computes the same parameter gradients",
+                                  "worst leaf: max |g - pure JAX| / max |pure JAX|"))
     return targets, "\n".join(md)

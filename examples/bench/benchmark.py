@@ -29,6 +29,9 @@ What this shows:
       without the bridge, and the torch twin; per order, the programs compiled and run,
       their times and the bytes held for backward.
 
+    * for a DP-SGD step through Opacus (``_dp.py``): a model holding a Flax trunk against
+      its torch twin (hooks and ghost clipping) and pure JAX DP-SGD in one ``jit``.
+
     * for a deep ``nn.remat_scan`` block trained over 2 torch processes (gloo, CPU;
       ``_shard.py``): ``torchside.shard`` against FSDP2's ``fully_shard`` of the whole
       block and pure JAX SPMD on the same mesh; per rank, the step time, the parameter and
@@ -75,10 +78,10 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmark_out", help="folder for plots and json")
     parser.add_argument(
         "--only",
-        default="tiny,medium,deep,leaves,lm,higher,shard,sweep,leafsweep",
+        default="tiny,medium,deep,leaves,lm,higher,dp,shard,sweep,leafsweep",
         help="comma-separated parts to run: tiny, medium, deep, leaves, lm (real models), "
-             "higher (gradient penalty, PINN), shard (sharded training over 2 processes), "
-             "sweep, leafsweep",
+             "higher (gradient penalty, PINN), dp (DP-SGD through Opacus), shard (sharded "
+             "training over 2 processes), sweep, leafsweep",
     )
     parser.add_argument(
         "--cpu-dispatch",
@@ -123,6 +126,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
+from _dp import dp_rows, print_dp  # noqa: E402
 from _higher import higher_rows  # noqa: E402
 from _leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
 from _lm import lm_rows, print_lm  # noqa: E402
@@ -335,7 +339,7 @@ def main() -> None:
     size = SIZES[size_name]
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     if args.device == "cuda":
-        cpu_only = sorted(set(parts) & {"lm", "higher", "shard"})
+        cpu_only = sorted(set(parts) & {"lm", "higher", "dp", "shard"})
         if cpu_only:
             raise SystemExit(f"benchmark.py: --device cuda got --only parts {cpu_only}, which "
                              f"run on CPU only; leave them out (e.g. --only "
@@ -357,7 +361,7 @@ def main() -> None:
         flush=True,
     )
     start = time.perf_counter()
-    results = {"size": size_name, "workloads": [], "lm": [], "higher": [], "shard": [],
+    results = {"size": size_name, "workloads": [], "lm": [], "higher": [], "dp": [], "shard": [],
                "sweep": [], "leaf_sweep": None}
     for w in workloads(parts, size):
         t0 = time.perf_counter()
@@ -375,6 +379,8 @@ def main() -> None:
         print(f"  LM: GPT-2-shaped models: {time.perf_counter() - t0:.0f} s", flush=True)
     if "higher" in parts:
         results["higher"] = higher_rows(size_name, size)
+    if "dp" in parts:
+        results["dp"] = dp_rows(size_name, size)
     if "shard" in parts:
         results["shard"] = shard_rows(size_name, size)
     if "sweep" in parts:
@@ -403,10 +409,12 @@ def main() -> None:
     lm_targets, lm_tables = print_lm(results["lm"], fmt_time) if results["lm"] else ([], "")
     higher_targets, higher_tables = (print_higher(results["higher"]) if results["higher"]
                                      else ([], ""))
+    dp_targets, dp_tables = print_dp(results["dp"]) if results["dp"] else ([], "")
     shard_targets, shard_tables = (print_shard(results["shard"]) if results["shard"]
                                    else ([], ""))
-    tables[1:1] = [lm_tables, higher_tables, shard_tables]
-    tables.append(print_targets(results, lm_targets + higher_targets + shard_targets))
+    tables[1:1] = [lm_tables, higher_tables, dp_tables, shard_tables]
+    tables.append(print_targets(results, lm_targets + higher_targets + dp_targets
+                                + shard_targets))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     if args.docs:

@@ -79,8 +79,9 @@ def test_vmap_maps_in_dims_onto_the_program(layer):
            "in_dims=1, out_dims=2")
 
 
-def test_per_sample_gradients_equal_a_loop_over_samples():
-    """Opacus's route for a layer it has no rule for: vmap(grad(functional_call))."""
+def test_per_sample_gradients_equal_pure_jax_and_a_loop_over_samples():
+    """Opacus's route for a layer it has no rule for: vmap(grad(functional_call)), against
+    pure JAX's ``vmap(grad)`` of the same Flax block and the module called per sample."""
     m = FlaxModule(TanhMLP(8, 2), example_args=(torch.zeros(1, 3),))
     params = {k: v.detach() for k, v in m.named_parameters()}
     xs, ys = torch.randn(6, 3), torch.randn(6, 2)
@@ -88,7 +89,16 @@ def test_per_sample_gradients_equal_a_loop_over_samples():
     def loss(p, x, y):
         return ((torch.func.functional_call(m, p, (x[None],)) - y[None]) ** 2).mean()
 
+    def jax_loss(p, x, y):
+        return ((TanhMLP(8, 2).apply({"params": p}, x[None]) - y[None]) ** 2).mean()
+
     per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    jax_params = jax.tree_util.tree_map(jnp.asarray, m.flax_variables()["params"])
+    want = jax.vmap(jax.grad(jax_loss), in_axes=(None, 0, 0))(jax_params, to_jax(xs),
+                                                               to_jax(ys))
+    for name, got in per_sample.items():
+        scope, leaf = name.split(".")[-2:]
+        _close(got, want[scope][leaf], f"{name} against jax.vmap(jax.grad)")
     for i in range(6):
         m.zero_grad()
         loss(dict(m.named_parameters()), xs[i], ys[i]).backward()

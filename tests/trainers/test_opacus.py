@@ -178,24 +178,36 @@ def _data():
     return torch.utils.data.TensorDataset(x, torch.randn(N, OUT, generator=g))
 
 
-def _train(model, names, *, poisson: bool, noise: float, steps: int = 3):
+def _train(model, names, *, poisson: bool, noise: float, steps: int = 3, mode: str = "hooks",
+           epsilon: float | None = None):
     """``steps`` DP-SGD steps; the parameters after each, by the model's names.
 
     ``names``: the parameters in the order the optimizer gets them (the noise is drawn in
-    that order)."""
+    that order). ``mode``: Opacus's ``grad_sample_mode``; "ghost" (fast gradient clipping)
+    trains on a cross-entropy loss of the targets' argmax, whose per-sample loss it needs.
+    ``epsilon``: ``make_private_with_epsilon`` for 2 epochs at that budget (``noise``
+    unused)."""
     params = [dict(model.named_parameters())[k] for k in names]
     opt = torch.optim.SGD(params, lr=0.5)
     loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
     engine = PrivacyEngine()
-    gsm, opt, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=loader, noise_multiplier=noise,
-        max_grad_norm=0.5, poisson_sampling=poisson,
-        noise_generator=torch.Generator().manual_seed(4))
+    ghost = mode == "ghost"
+    criterion = torch.nn.CrossEntropyLoss() if ghost else torch.nn.MSELoss()
+    common = dict(module=model, optimizer=opt, data_loader=loader, max_grad_norm=0.5,
+                  poisson_sampling=poisson, noise_generator=torch.Generator().manual_seed(4),
+                  grad_sample_mode=mode, criterion=criterion)
+    if epsilon is None:
+        private = engine.make_private(noise_multiplier=noise, **common)
+    else:
+        private = engine.make_private_with_epsilon(target_epsilon=epsilon, target_delta=1e-3,
+                                                   epochs=2, **common)
+    gsm, opt, loader = private[0], private[1], private[-1]
+    criterion = private[2] if ghost else criterion
     torch.manual_seed(5)  # Poisson sampling draws from torch's default generator
     after = []
     for x, y in loader:
         opt.zero_grad()
-        torch.nn.functional.mse_loss(gsm(x), y).backward()
+        criterion(gsm(x), y.argmax(1) if ghost else y).backward()
         opt.step()
         after.append({k: p.detach().clone() for k, p in model.named_parameters()})
         if len(after) == steps:
@@ -203,21 +215,75 @@ def _train(model, names, *, poisson: bool, noise: float, steps: int = 3):
     return after
 
 
-@pytest.mark.parametrize("noise", [0.0, 1.0], ids=["no-noise", "noise"])
-@pytest.mark.parametrize("poisson", [False, True], ids=["fixed-batches", "poisson"])
-def test_dp_sgd_steps_equal_the_twin(poisson, noise):
+def _steps_equal_the_twin(**train):
     model = _flax_model()
     twin = _twin(model, dense_layout=True)
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
     names = [k for k, _ in model.named_parameters()]
-    got = _train(model, names, poisson=poisson, noise=noise)
-    want = _train(twin, [_twin_name(k, dense_layout=True)[0] for k in names], poisson=poisson,
-                  noise=noise)
+    got = _train(model, names, **train)
+    want = _train(twin, [_twin_name(k, dense_layout=True)[0] for k in names], **train)
     assert len(got) == len(want) == 3
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for name, value in g.items():
             twin_name, _ = _twin_name(name, dense_layout=True)
             close(value, w[twin_name], f"step {step}, {name}", wrong=[start[name]])
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0], ids=["no-noise", "noise"])
+@pytest.mark.parametrize("poisson", [False, True], ids=["fixed-batches", "poisson"])
+def test_dp_sgd_steps_equal_the_twin(poisson, noise):
+    _steps_equal_the_twin(poisson=poisson, noise=noise)
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0], ids=["no-noise", "noise"])
+def test_fast_gradient_clipping_steps_equal_the_twin(noise):
+    """``grad_sample_mode="ghost"``: the block's per-sample norms from its norm sampler, the
+    twin's from Opacus's functorch route; the second backward clips."""
+    _steps_equal_the_twin(poisson=False, noise=noise, mode="ghost")
+
+
+def test_make_private_with_epsilon_trains_like_the_twin():
+    _steps_equal_the_twin(poisson=True, noise=None, epsilon=4.0)
+
+
+@pytest.mark.parametrize("ghost", [False, True], ids=["fast-gradient", "ghost"])
+def test_per_sample_norms_equal_the_twin_and_pure_jax(ghost):
+    """``GradSampleModuleFastGradientClipping``'s per-sample norms per parameter: the
+    block's (its norm sampler, or its grad sampler under fast gradient clipping) against
+    the twin's (``nn.Linear``: Opacus's own samplers) and pure JAX's ``vmap(grad)``."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    model = _flax_model()
+    twin = _twin(model, dense_layout=False)
+    x, y = _data().tensors
+    x, labels = x[:BATCH], y[:BATCH].argmax(1)
+    norms = {}
+    for key, m in (("flax", model), ("twin", twin)):
+        gsm = GradSampleModuleFastGradientClipping(m, max_grad_norm=1.0,
+                                                   use_ghost_clipping=ghost)
+        torch.nn.functional.cross_entropy(gsm(x), labels).backward()
+        norms[key] = {k: p._norm_sample for k, p in m.named_parameters()}
+    h = model[0](x).detach()
+    logits = model[1](h).detach().requires_grad_()
+    # Opacus's backprops of a mean loss: each sample's cotangent times the batch size.
+    weights = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels),
+                                  logits)[0] * BATCH
+    jax_grads = _jax_per_sample(model[1], h, weights)
+    wrong = _jax_per_sample(model[1], h, weights, ones=True)  # backprops not used
+
+    def norms_of(grads, path):
+        g = grads[path[0]][path[1]]
+        return jnp.linalg.norm(g.reshape(BATCH, -1), axis=1)
+
+    assert any(k.startswith("1.") for k in norms["flax"])
+    for name, got in norms["flax"].items():
+        twin_name, _ = _twin_name(name, dense_layout=False)
+        assert got.shape == (BATCH,), (name, got.shape)
+        close(got, norms["twin"][twin_name], f"{name} norms against the twin")
+        if name.startswith("1."):
+            path = name.split(".")[2:]
+            close(got, norms_of(jax_grads, path), f"{name} norms against pure JAX",
+                  wrong=[norms_of(wrong, path)])
 
 
 def test_validators_see_the_flax_block():
