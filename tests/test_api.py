@@ -81,12 +81,20 @@ def _example_section(doc: str) -> str | None:
 
 
 def _doctests(obj, name: str) -> list[doctest.DocTest]:
-    """The ``>>>`` examples of ``obj`` and, for a class, of its methods."""
+    """The ``>>>`` examples of ``obj`` and, for a class, of its methods, those it inherits
+    from a base class of these packages (a mixin such as ``FlaxVariables``) included."""
     target = inspect.unwrap(obj) if not inspect.isclass(obj) else obj
     module = inspect.getmodule(target)
     globs = {**GLOBALS, **vars(module)}
     finder = doctest.DocTestFinder(recurse=inspect.isclass(obj))
-    return [t for t in finder.find(obj, name, module=module, globs=globs) if t.examples]
+    tests = finder.find(obj, name, module=module, globs=globs)
+    if inspect.isclass(obj):
+        for base in obj.__mro__[1:]:
+            if base.__module__.split(".")[0] in {p.split(".")[0] for p in PACKAGES}:
+                base_module = inspect.getmodule(base)
+                tests += finder.find(base, f"{name}({base.__name__})", module=base_module,
+                                     globs={**GLOBALS, **vars(base_module), **vars(module)})
+    return [t for t in tests if t.examples]
 
 
 def _run(tests: list[doctest.DocTest], name: str) -> None:

@@ -143,6 +143,33 @@ class FlaxVariables:
              zip(self._current_tensors(), self._adapter.names, strict=True)]
         )
 
+    def flax_variable_tensors(self):
+        """The parameters and buffers themselves, as torch tensors in Flax's structure.
+
+        The structure of ``flax_variables()`` (Linen: the variables dict; NNX: the
+        ``(params, rest)`` pair), with the module's own tensors as leaves: pass it to a
+        ``jax_function``, which sees Flax variables and sends the gradients to these
+        parameters. This is the fast path where torch would differentiate a block again
+        and again for one loss (a PINN's residual, a gradient penalty): the whole loss,
+        its derivatives included, is one JAX function, one program that
+        ``jit(value_and_grad)`` would compile. Key-typed and unsigned state come as torch
+        holds them (raw ``int32`` data), not as typed keys.
+
+        Example:
+            >>> import flax.linen as nn, jax, jax.numpy as jnp
+            >>> from torchside import jax_function
+            >>> dense = nn.Dense(1)
+            >>> m = FlaxModule(dense, example_args=(torch.zeros(1, 2),))
+            >>> @jax_function
+            ... def input_gradient_penalty(variables, x):
+            ...     gx = jax.grad(lambda x: dense.apply(variables, x).sum())(x)
+            ...     return jnp.mean((jnp.linalg.norm(gx, axis=1) - 1) ** 2)
+            >>> input_gradient_penalty(m.flax_variable_tensors(), torch.randn(4, 2)).backward()
+            >>> m.params.kernel.grad.shape
+            torch.Size([2, 1])
+        """
+        return jax.tree_util.tree_unflatten(self._adapter.treedef, self._current_tensors())
+
     def load_flax_variables(self, variables) -> None:
         """Copies Flax variables (same structure as ``flax_variables()``) into the module.
 

@@ -26,7 +26,11 @@ Contestants, one step each, on the same weights and points (interleaved rounds, 
   (``_higher_floor.py``). Meant as what any bridge that lets torch drive the
   derivatives pays; on CPU a DLPack conversion costs more than the bridge's pointer views,
   so the bridge may beat it;
-* ``torch``: the torch twin, eager (parameters in Flax's layout, same operations).
+* ``torch``: the torch twin, eager (parameters in Flax's layout, same operations);
+* ``fast path``: the loss written in JAX (``pure JAX``'s function) as one ``jax_function``
+  of the model's own tensors (``FlaxModule.flax_variable_tensors``; ``pinn.py --fast``):
+  torch asks for the gradients of one scalar, so the call is the one program
+  ``jit(value_and_grad)`` compiles, plus the bridge's call.
 
 Also, per order: the programs the bridge compiled, how many runs a step makes (counted on
 the floor, which runs the same schedule), each program's time (the floor, timed apart)
@@ -51,9 +55,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this folder, and examples/ for pinn.py
 from _higher_floor import FloorTrunk, Node  # noqa: E402
 from _measure import Contestant, race  # noqa: E402
-from pinn import PINN, Trunk, laplacian, source  # noqa: E402
+from pinn import PINN, Trunk, fast_loss, jax_loss, laplacian, source  # noqa: E402
 
-from torchside import FlaxModule  # noqa: E402
+from torchside import FlaxModule, jax_function  # noqa: E402
 from torchside._higher import derived_owners  # noqa: E402  (internals, read only)
 
 jtu = jax.tree_util
@@ -205,22 +209,20 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
     x_t = torch.tensor(x_np, requires_grad=True)
     out.append(_Contestant("torch", lambda: _torch_penalty(twin, x_t),
                            list(twin.parameters()), [x_t]))
+
+    # The fast path: the penalty written in JAX, one jax_function of the module's tensors.
+    fast = FlaxModule(critic, variables=variables)
+    penalty = jax_function(lambda v, x: _penalty_loss(critic.apply, v["params"], x))
+    x_j = torch.tensor(x_np)
+    out.append(_Contestant("fast path",
+                           lambda: penalty(fast.flax_variable_tensors(), x_j).backward(),
+                           list(fast.parameters())))
     return out, dict(module=module, step=out[0].call, exclude=out[0].params)
 
 
 def _pinn_loss(trunk, treedef, params, xy):
     wi, bi, tb, tk, wo, bo = params
-    variables = jtu.tree_unflatten(treedef, [tb, tk])
-
-    def u_sum(xy):
-        net = trunk.apply(variables, jnp.tanh(xy @ wi.T + bi)) @ wo.T + bo
-        x, y = xy[:, :1], xy[:, 1:]
-        return (x * (1 - x) * y * (1 - y) * net).sum()
-
-    grad = jax.grad(u_sum)
-    lap = sum(jax.grad(lambda xy, i=i: grad(xy)[:, i].sum())(xy)[:, i] for i in range(2))
-    f = 2 * math.pi**2 * jnp.sin(math.pi * xy[:, 0]) * jnp.sin(math.pi * xy[:, 1])
-    return jnp.mean((lap + f) ** 2)
+    return jax_loss(trunk, jtu.tree_unflatten(treedef, [tb, tk]), wi, bi, wo, bo, xy)
 
 
 def _torch_pinn(model, xy) -> None:
@@ -263,6 +265,13 @@ def pinn_contestants(points, width, lengths) -> tuple[list, dict]:
         out.append(_Contestant(name, lambda m=model, xy=xy: _torch_pinn(m, xy),
                                list(model.parameters()), [xy]))
     out[2].node = floor_trunk.node
+
+    # The fast path: pinn.py's --fast, the loss as one jax_function of the model's tensors.
+    fast = PINN(width, lengths)
+    fast.load_state_dict(state)
+    fast_step, xy_j = fast_loss(fast), torch.tensor(xy_np)
+    out.append(_Contestant("fast path", lambda: fast_step(xy_j).backward(),
+                           list(fast.parameters())))
     return out, dict(module=bridge.trunk, step=out[0].call, exclude=out[0].params)
 
 

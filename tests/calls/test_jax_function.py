@@ -146,3 +146,43 @@ def test_module_returning_non_arrays_is_refused():
 
     with pytest.raises(TypeError, match="only arrays can cross"):
         FlaxModule(Bad(), variables={})(torch.zeros(2))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_a_loss_of_flax_variable_tensors_sends_gradients_to_the_parameters(kind):
+    """The fast path for a loss torch would differentiate again (``flax_variable_tensors``):
+    a gradient penalty written in JAX, one ``jax_function`` of the module's own tensors,
+    gives each parameter pure JAX's ``jax.grad`` of the same loss, for Linen and NNX."""
+    from flax import nnx
+
+    from tests.support.twins import TanhMLP
+
+    x = torch.randn(6, 3)
+    if kind == "linen":
+        block = TanhMLP(8, 2)
+        m = FlaxModule(block, example_args=(torch.zeros(1, 3),))
+
+        def apply(variables, x):
+            return block.apply(variables, x)
+    else:
+        m = FlaxModule(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        graphdef = nnx.graphdef(m.flax_module)
+
+        def apply(variables, x):
+            return nnx.merge(graphdef, *variables)(jnp.tanh(x))
+
+    def penalty(variables, x):
+        gx = jax.grad(lambda x: apply(variables, x).sum())(x)
+        return jnp.mean((jnp.linalg.norm(gx, axis=1) - 1) ** 2) + apply(variables, x).var()
+
+    variables = m.flax_variable_tensors()
+    assert all(any(t is p for p in m.parameters())
+               for t in jax.tree_util.tree_leaves(variables))
+    jax_function(penalty)(variables, x).backward()
+    want = jax.grad(penalty)(jax.tree_util.tree_map(jnp.array, m.flax_variables()), _j(x))
+    for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(variables),
+                              jax.tree_util.tree_leaves(want), strict=True):
+        assert got.grad is not None, path
+        np.testing.assert_allclose(got.grad.numpy(), np.asarray(w), rtol=1e-5,
+                                   atol=1e-6 * float(np.abs(np.asarray(w)).max()),
+                                   err_msg=jax.tree_util.keystr(path))
