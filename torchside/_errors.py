@@ -334,6 +334,16 @@ def per_sample_batch(where: str, k: int, value, n: int) -> ValueError:
     )
 
 
+def per_sample_keywords(where: str, names: tuple) -> ValueError:
+    """Opacus's per-sample gradients of a call that had keyword arguments."""
+    return ValueError(
+        f"{where} under Opacus: the call had keyword arguments {list(names)}, but Opacus "
+        f"captures a module's positional arguments only, and per-sample gradients without "
+        f"them would be those of another function. Pass them positionally (batch-first "
+        f"tensors), or make the non-tensor ones attributes of the Flax module."
+    )
+
+
 def per_sample_unsupported(where: str, what: str) -> NotImplementedError:
     """Opacus's per-sample gradients of a call they cannot be computed for."""
     return NotImplementedError(

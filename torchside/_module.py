@@ -246,6 +246,12 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
         call = self._resolve(args, kwargs)
+        # Opacus's hooks capture positional arguments only (NOTE [Opacus]): its per-sample
+        # gradients refuse a call that had keywords, rather than drop them.
+        if kwargs:
+            self.__dict__["_keywords"] = tuple(kwargs)
+        elif "_keywords" in self.__dict__:
+            del self.__dict__["_keywords"]
         return finish(call, self._caller(call, self._write_back))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,

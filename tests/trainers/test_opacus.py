@@ -172,6 +172,29 @@ def test_arguments_not_batch_first_are_refused_by_name():
         per_sample_gradients(layer, [torch.randn(4, WIDTH)], torch.randn(6, OUT))
 
 
+def test_a_call_with_keyword_arguments_is_refused_by_name():
+    """Opacus's hooks capture positional arguments only: per-sample gradients of a call
+    with ``scale=`` would be those of another function, so they are refused."""
+
+    class ScaledMLP(TanhMLP):
+        def __call__(self, x, scale=None):
+            return super().__call__(x) * (1.0 if scale is None else scale)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flax = FlaxModule(ScaledMLP(HIDDEN, OUT), example_args=(torch.zeros(2, WIDTH),))
+
+        def forward(self, x):
+            return self.flax(x, scale=torch.full((len(x), 1), 2.0))
+
+    model = Scaled()
+    gsm = GradSampleModule(model)
+    with pytest.raises(ValueError, match=r"keyword arguments \['scale'\].*positional"):
+        gsm(torch.randn(BATCH, WIDTH)).sum().backward()
+    gsm._close()
+
+
 def _data():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(N, D_IN, generator=g)
