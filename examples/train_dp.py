@@ -111,8 +111,8 @@ def main(argv=None) -> dict:
     for epoch in range(1, args.epochs + 1):
         dp_model.train()
         for x, y in loader:
-            if len(x) == 0:  # Poisson sampling may draw an empty batch
-                continue
+            # Poisson sampling may draw an empty batch: it steps too (noise only), as the
+            # accountant assumes; its loss is nan and its per-sample gradients are empty.
             sizes.add(len(x))
             optimizer.zero_grad()
             loss_fn(dp_model(x), y).backward()

@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 import tempfile
 
@@ -31,3 +33,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def _ranks_run_alone(root, exclusive: bool):
+    """A readers-writer lock over the pytest-xdist workers (``root``: their shared folder).
+
+    A test marked ``processes`` starts ranks that talk over gloo (DDP, FSDP2, ``shard``):
+    it runs alone, as ``tests/support/ranks.py`` needs (a rank once stalled with three JAX
+    processes on two cores); other tests run side by side. The turnstile keeps a waiting
+    ``processes`` test from being starved by the other worker's next tests.
+    """
+    with open(root / "turnstile.lock", "a") as turnstile, open(root / "ranks.lock", "a") as ranks:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if exclusive:
+            fcntl.flock(ranks, fcntl.LOCK_EX)  # new tests wait at the turnstile meanwhile
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(ranks, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(ranks, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a ``processes`` test runs alone (setup, module fixtures too)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    root = item.config._tmp_path_factory.getbasetemp().parent
+    with _ranks_run_alone(root, item.get_closest_marker("processes") is not None):
+        return (yield)

@@ -178,8 +178,13 @@ CHECKS = {
 }
 
 
+# Examples that start ranks over gloo (torchrun's, the benchmark's sharded part).
+PROCESSES = {"train_sharded.py", "bench/benchmark.py"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _scripts())
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.processes) if n in PROCESSES
+                                  else n for n in _scripts()])
 def test_example_runs(name, tmp_path):
     assert name in TINY_ARGS, f"add tiny-size arguments for {name} to TINY_ARGS in this file"
     done = _run(name, tmp_path)

@@ -344,6 +344,17 @@ def per_sample_keywords(where: str, names: tuple) -> ValueError:
     )
 
 
+def sharded_variable_tensors(where: str) -> NotImplementedError:
+    """``flax_variable_tensors()`` of a sharded block."""
+    return NotImplementedError(
+        f"{where}.flax_variable_tensors(): the module is sharded (torchside.shard), so its "
+        f"tensors are DTensors whose local pieces are this rank's shards; a jax_function "
+        f"would compute with the shards as if they were the block's parameters. Use it on "
+        f"an unsharded FlaxModule, or compute the loss inside the Flax block, where the "
+        f"sharded call's first-order backward reaches it."
+    )
+
+
 def per_sample_unsupported(where: str, what: str) -> NotImplementedError:
     """Opacus's per-sample gradients of a call they cannot be computed for."""
     return NotImplementedError(

@@ -245,13 +245,9 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """Applies the Flax module to pytrees of tensors and returns a pytree of tensors."""
+        if kwargs and self._forward_hooks:
+            _refuse_keywords_opacus_drops(self, kwargs)
         call = self._resolve(args, kwargs)
-        # Opacus's hooks capture positional arguments only (NOTE [Opacus]): its per-sample
-        # gradients refuse a call that had keywords, rather than drop them.
-        if kwargs:
-            self.__dict__["_keywords"] = tuple(kwargs)
-        elif "_keywords" in self.__dict__:
-            del self.__dict__["_keywords"]
         return finish(call, self._caller(call, self._write_back))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -297,3 +293,20 @@ def _name(module) -> str:
     if _is_factory(module):
         return getattr(module, "__qualname__", type(module).__name__)
     return type(module).__name__
+
+
+def _refuse_keywords_opacus_drops(module: FlaxModule, kwargs: dict) -> None:
+    """Refuses a call with keywords that Opacus is capturing (NOTE [Opacus]).
+
+    Opacus's forward hook captures positional arguments only, and hands them to the
+    module's grad sampler, whose per-sample gradients without the keywords would be those
+    of another function. Opacus captures where its hook is attached and enabled, the module
+    is in training mode and grad mode is on: refused there, before anything runs.
+    """
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    for hook in module._forward_hooks.values():
+        owner = getattr(getattr(hook, "func", hook), "__self__", None)
+        if (type(owner).__module__.startswith("opacus.")
+                and getattr(owner, "hooks_enabled", True)):
+            raise _errors.per_sample_keywords(module._caller.where, tuple(kwargs))

@@ -44,8 +44,8 @@ def per_sample_gradients(module: FlaxModule, activations, backprops) -> dict:
         backprops: the gradient of the loss with respect to the call's output, per sample.
 
     Raises:
-        ValueError: an argument is not batched on dimension 0 like the output, or the call
-            had keyword arguments (Opacus does not capture them).
+        ValueError: an argument is not batched on dimension 0 like the output. (A call
+            with keyword arguments is refused when it runs: ``FlaxModule.forward``.)
         NotImplementedError: the call draws an RNG key, writes state back, has more
             than one differentiable output, or the module is sharded.
     """
@@ -75,9 +75,6 @@ def _per_sample(module: FlaxModule, activations, backprops, kind: str, make) -> 
     where = caller.where
     if caller.plan is not None:
         raise _errors.per_sample_unsupported(where, "a sharded block")
-    keywords = module.__dict__.get("_keywords")
-    if keywords:
-        raise _errors.per_sample_keywords(where, keywords)
     n = backprops.shape[0]
     for k, a in enumerate(activations):
         if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != n:

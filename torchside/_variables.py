@@ -153,7 +153,12 @@ class FlaxVariables:
         and again for one loss (a PINN's residual, a gradient penalty): the whole loss,
         its derivatives included, is one JAX function, one program that
         ``jit(value_and_grad)`` would compile. Key-typed and unsigned state come as torch
-        holds them (raw ``int32`` data), not as typed keys.
+        holds them (raw ``int32`` data), not as typed keys. A weight that a forward pre-hook
+        of its scope recomputes (pruning, the older ``weight_norm``) comes as a call reads it.
+
+        Raises:
+            NotImplementedError: the module is sharded (``torchside.shard``): a
+                ``jax_function`` would see each rank's shards, not the block's parameters.
 
         Example:
             >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -168,7 +173,9 @@ class FlaxVariables:
             >>> m.params.kernel.grad.shape
             torch.Size([2, 1])
         """
-        return jax.tree_util.tree_unflatten(self._adapter.treedef, self._current_tensors())
+        if self._caller.plan is not None:
+            raise _errors.sharded_variable_tensors(self._caller.where)
+        return jax.tree_util.tree_unflatten(self._adapter.treedef, self._variables())
 
     def load_flax_variables(self, variables) -> None:
         """Copies Flax variables (same structure as ``flax_variables()``) into the module.

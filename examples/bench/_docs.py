@@ -59,10 +59,10 @@ def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout.strip()
-        # The blocks these scripts write are not code: a run right after another's (the
-        # benchmark's, then call_costs') measured the same commit.
+        # docs/ is not code: a run right after another's (the benchmark's, then
+        # call_costs'), or beside an edit of the prose, measured the same code.
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":!docs/benchmarks.md"],
+                                ".", ":!docs"],
                                cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"

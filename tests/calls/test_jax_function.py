@@ -186,3 +186,28 @@ def test_a_loss_of_flax_variable_tensors_sends_gradients_to_the_parameters(kind)
         np.testing.assert_allclose(got.grad.numpy(), np.asarray(w), rtol=1e-5,
                                    atol=1e-6 * float(np.abs(np.asarray(w)).max()),
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_flax_variable_tensors_read_a_pruned_weight_as_a_call_does():
+    """A weight a scope's forward pre-hook recomputes (``torch.nn.utils.prune``) comes as
+    the call reads it: masked, with its gradient reaching the original."""
+    from torch.nn.utils import prune
+
+    from tests.support.twins import TanhMLP
+
+    block = TanhMLP(8, 2)
+    m = FlaxModule(block, example_args=(torch.zeros(1, 3),))
+    prune.random_unstructured(m.params.Dense_1, "kernel", amount=0.5)
+    mask = m.params.Dense_1.kernel_mask.clone()
+    with torch.no_grad():  # a stale masked weight: only the pre-hook recomputes it
+        m.params.Dense_1.kernel_orig.mul_(3.0)
+    x = torch.randn(4, 3)
+    variables = m.flax_variable_tensors()
+    kernel = variables["params"]["Dense_1"]["kernel"]
+    torch.testing.assert_close(kernel, m.params.Dense_1.kernel_orig * mask)
+    jax_function(lambda v, x: block.apply(v, x).sum())(variables, x).backward()
+    m_grad = m.params.Dense_1.kernel_orig.grad
+    m.zero_grad()
+    m(x).sum().backward()  # the call's own route: the same masked gradient
+    torch.testing.assert_close(m_grad, m.params.Dense_1.kernel_orig.grad)
+    assert bool((m_grad[mask == 0] == 0).all())

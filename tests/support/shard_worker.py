@@ -100,8 +100,8 @@ def transformer(sharded: bool, device: str, rank: int, world: int) -> dict:
 
 
 def refusals(module, x: torch.Tensor) -> dict:
-    """What a second derivative and ``torch.func.vmap`` of ``module`` raise ("ran" if
-    nothing)."""
+    """What a second derivative, ``torch.func.vmap`` and ``flax_variable_tensors()`` of
+    ``module`` raise ("ran" if nothing)."""
     out = {}
     x = x.detach().requires_grad_()
     try:
@@ -114,6 +114,11 @@ def refusals(module, x: torch.Tensor) -> dict:
         out["vmap"] = "ran"
     except NotImplementedError as e:
         out["vmap"] = str(e)
+    try:  # the fast path's variables: the shards would pass for the parameters
+        module.flax_variable_tensors()
+        out["variable_tensors"] = "ran"
+    except NotImplementedError as e:
+        out["variable_tensors"] = str(e)
     return out
 
 

@@ -18,6 +18,8 @@ from tests.support import ROOT
 from tests.support.ddp_worker import build
 from tests.support.ranks import run_reference, run_two_ranks
 
+pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
+
 WORKER = ROOT / "tests" / "support" / "ddp_worker.py"
 ELSEWHERE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
              "FLAXTORCH_TEST_JAX_DEFAULT": "cpu:1"}

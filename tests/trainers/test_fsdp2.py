@@ -15,6 +15,8 @@ import torch
 from tests.support import ROOT
 from tests.support.ranks import run_reference, run_two_ranks
 
+pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
+
 WORKER = ROOT / "tests" / "support" / "fsdp2_worker.py"
 
 

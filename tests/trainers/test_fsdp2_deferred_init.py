@@ -11,12 +11,15 @@ rank's loss is the mean over its half of the batch); and the sharded model's
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.support.ranks import run_two_ranks
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule
+
+pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
 
 WORKER = Path(__file__).resolve().parent.parent / "support" / "deferred_init_worker.py"
 

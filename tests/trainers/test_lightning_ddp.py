@@ -19,6 +19,7 @@ from tests.support.lightning_worker import BATCH, DDP_EPOCHS, Lit, plain_loop  #
 WORKER = ROOT / "tests" / "support" / "lightning_worker.py"
 
 pytestmark = [
+    pytest.mark.processes,  # gloo ranks: alone under pytest-xdist (conftest)
     # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates.
     pytest.mark.filterwarnings("ignore:.*treespec, LeafSpec.* is deprecated:FutureWarning"),
 ]

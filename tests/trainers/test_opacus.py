@@ -172,27 +172,50 @@ def test_arguments_not_batch_first_are_refused_by_name():
         per_sample_gradients(layer, [torch.randn(4, WIDTH)], torch.randn(6, OUT))
 
 
-def test_a_call_with_keyword_arguments_is_refused_by_name():
+def test_a_call_with_keyword_arguments_is_refused_when_opacus_captures_it():
     """Opacus's hooks capture positional arguments only: per-sample gradients of a call
-    with ``scale=`` would be those of another function, so they are refused."""
+    with ``scale=`` would be those of another function, so a call Opacus captures (training
+    mode, grad on) is refused as it runs; calls it does not capture are not."""
 
     class ScaledMLP(TanhMLP):
         def __call__(self, x, scale=None):
             return super().__call__(x) * (1.0 if scale is None else scale)
 
     class Scaled(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, keyword: bool):
             super().__init__()
+            self.keyword = keyword
             self.flax = FlaxModule(ScaledMLP(HIDDEN, OUT), example_args=(torch.zeros(2, WIDTH),))
 
         def forward(self, x):
-            return self.flax(x, scale=torch.full((len(x), 1), 2.0))
+            s = torch.full((len(x), 1), 2.0)
+            if self.keyword:
+                return self.flax(x, scale=s)
+            out = self.flax(x, s)  # positional: captured, and exact
+            with torch.no_grad():  # a monitoring call with a keyword: not captured
+                self.flax(x[:2], scale=s[:2])
+            return out
 
-    model = Scaled()
-    gsm = GradSampleModule(model)
+    x = torch.randn(BATCH, WIDTH)
+    gsm = GradSampleModule(Scaled(keyword=True))
     with pytest.raises(ValueError, match=r"keyword arguments \['scale'\].*positional"):
-        gsm(torch.randn(BATCH, WIDTH)).sum().backward()
+        gsm(x)
+    gsm.eval()
+    with torch.no_grad():
+        gsm(x)  # not captured: allowed
     gsm._close()
+
+    model = Scaled(keyword=False)
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    weights = torch.randn(BATCH, OUT)
+    (gsm(x) * weights).sum().backward()
+    samples = {k: p.grad_sample.clone() for k, p in model.flax.named_parameters()}
+    gsm._close()
+    for i in (0, BATCH - 1):  # each sample's gradient, by the module called alone
+        model.flax.zero_grad()
+        (model.flax(x[i:i + 1], torch.full((1, 1), 2.0)) * weights[i]).sum().backward()
+        for name, p in model.flax.named_parameters():
+            close(samples[name][i], p.grad, f"{name}, sample {i}")
 
 
 def _data():
@@ -270,12 +293,20 @@ def test_make_private_with_epsilon_trains_like_the_twin():
 
 
 @pytest.mark.parametrize("ghost", [False, True], ids=["fast-gradient", "ghost"])
-def test_per_sample_norms_equal_the_twin_and_pure_jax(ghost):
+def test_per_sample_norms_equal_the_twin_and_pure_jax(ghost, monkeypatch):
     """``GradSampleModuleFastGradientClipping``'s per-sample norms per parameter: the
     block's (its norm sampler, or its grad sampler under fast gradient clipping) against
     the twin's (``nn.Linear``: Opacus's own samplers) and pure JAX's ``vmap(grad)``."""
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
+    samplers = GradSampleModuleFastGradientClipping.NORM_SAMPLERS
+    norm_sampler, calls = samplers[FlaxModule], []
+
+    def counted(*args):
+        calls.append(1)
+        return norm_sampler(*args)
+
+    monkeypatch.setitem(samplers, FlaxModule, counted)
     model = _flax_model()
     twin = _twin(model, dense_layout=False)
     x, y = _data().tensors
@@ -286,6 +317,8 @@ def test_per_sample_norms_equal_the_twin_and_pure_jax(ghost):
                                                    use_ghost_clipping=ghost)
         torch.nn.functional.cross_entropy(gsm(x), labels).backward()
         norms[key] = {k: p._norm_sample for k, p in m.named_parameters()}
+    # Ghost clipping asks the block's norm sampler; fast gradient clipping its grad sampler.
+    assert len(calls) == (1 if ghost else 0), calls
     h = model[0](x).detach()
     logits = model[1](h).detach().requires_grad_()
     # Opacus's backprops of a mean loss: each sample's cotangent times the batch size.

@@ -36,6 +36,8 @@ from tests.support.shard_worker import LENGTHS, build
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
 
+pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
+
 WORKER = ROOT / "tests" / "support" / "shard_worker.py"
 
 
@@ -166,12 +168,15 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
                f"the {prefix}tagged module's output")
     # Derivatives of the backward and torch.func: refused by name on the sharded block
     # (they run on the same block unsharded), parameters untouched.
-    assert reference["refusals"] == {"create_graph": "ran", "vmap": "ran"}
+    assert reference["refusals"] == {"create_graph": "ran", "vmap": "ran",
+                                     "variable_tensors": "ran"}
     for report in ranks:
         message = "FlaxModule(ReadmeDeep) is sharded (torchside.shard)"
         assert message in report["refusals"]["create_graph"], report["refusals"]
         assert "create_graph=True" in report["refusals"]["create_graph"]
         assert message in report["refusals"]["vmap"] and "vmap" in report["refusals"]["vmap"]
+        assert "flax_variable_tensors(): the module is sharded" in (
+            report["refusals"]["variable_tensors"])
         assert report["unchanged"]
         # A deep copy (an EMA's) stays sharded and computes the same; a pickled one holds
         # DTensors without meshes and says how to rebuild it (before, on the DLPack route,
