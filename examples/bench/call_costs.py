@@ -50,7 +50,8 @@ from torchside import FlaxModule  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
 from _measure import torch_inputs  # noqa: E402
-from benchmark import SIZES, run_workload, workloads  # noqa: E402
+from _sizes import SIZES  # noqa: E402
+from benchmark import run_workload, workloads  # noqa: E402
 
 DEFAULTS = {"tensors": 768, "repeats": 30}
 
