@@ -84,9 +84,9 @@ def test_stream_ordering_torch_to_jax_and_back():
                 y = m(x)
                 z = y * 1.0  # torch reads JAX's output at once on its own stream
             side.synchronize()
-            close(z, want.cpu().numpy(), f"iteration {step}",
+            close(z, want.detach().cpu().numpy(), f"iteration {step}",
                   wrong=[] if previous is None else [previous])
-            previous = want.cpu().numpy()
+            previous = want.detach().cpu().numpy()
 
 
 def test_cuda_round_trip_is_zero_copy():

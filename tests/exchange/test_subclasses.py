@@ -51,13 +51,13 @@ def test_to_jax_refuses_a_wrapper_by_name(route):
 
 
 def test_a_call_refuses_a_wrapper_argument(route):
-    module = FlaxModule(nn.Dense(3), example_args=(torch.zeros(4, 8, device=route),))
+    module = FlaxModule(nn.Dense(3), example_args=(torch.zeros(4, 8),)).to(route)
     with pytest.raises(TypeError, match=r"argument 'args\[0\]' is a Wrapper .*no memory"):
         module(_wrapped(route))
 
 
 def test_a_call_refuses_a_wrapper_parameter_and_leaves_it(route):
-    module = FlaxModule(nn.Dense(8), example_args=(torch.zeros(4, 8, device=route),))
+    module = FlaxModule(nn.Dense(8), example_args=(torch.zeros(4, 8),)).to(route)
     x = torch.randn(4, 8, device=route)
     module(x)  # the parameters are held: the next call must see the new one
     before = {n: p.detach().clone() for n, p in module.named_parameters()}

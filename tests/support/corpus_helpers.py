@@ -210,10 +210,10 @@ def _compare(wrapped, t_args, t_kwargs, pure, consts, params, param_names, tol):
         assert set(g_params) == set(named)
         for name, p in named.items():
             assert p.grad is not None, f"no gradient reached {name}"
-            torch.testing.assert_close(p.grad, torch.from_numpy(np.array(g_params[name])),
+            torch.testing.assert_close(p.grad.cpu(), torch.from_numpy(np.array(g_params[name])),
                                        msg=lambda m, n=name: f"grad of {n}: {m}", **tol)
         for i, g in zip(diff, ref_grads[1:], strict=True):
-            torch.testing.assert_close(leaves[i].grad, torch.from_numpy(np.array(g)),
+            torch.testing.assert_close(leaves[i].grad.cpu(), torch.from_numpy(np.array(g)),
                                        msg=lambda m, i=i: f"grad of input leaf {i}: {m}", **tol)
     return outs, ref_out, aux
 
@@ -227,7 +227,7 @@ def _compare_state(wrapped, expected: dict, tol):
             # torch holds unsigned 16/32/64-bit state as the signed dtype: the same bits.
             assert b.dtype.itemsize == want.dtype.itemsize and b.dtype.is_signed, name
             want = want.view(f"i{want.dtype.itemsize}")
-        torch.testing.assert_close(b, torch.from_numpy(want),
+        torch.testing.assert_close(b.cpu(), torch.from_numpy(want),
                                    msg=lambda m, n=name: f"state {n}: {m}", **tol)
 
 
