@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One short GPU session, as a lent CUDA machine runs it: the GPU checks first, then the
-# benchmark on the GPU, each part stopped at its own limit so that one slow part cannot hide
-# the rest. The logs land in OUT (default ./gpu_out): 7 files, under the device tool's 8.
+# One short GPU session, as a lent CUDA machine runs it: the benchmark and the call costs on
+# the GPU, then the GPU checks, each part stopped at its own limit so that one slow part
+# cannot hide the rest. The logs land in OUT (default ./gpu_out): 8 files on one GPU (two
+# tables, gpu_check.txt, five logs), the device tool's limit.
 #
 #   bash examples/gpu_session.sh [OUT]      # from the repository root; about 9 minutes
 #
@@ -17,9 +18,13 @@ python3 -c "import sys, torch, jax, flax, numpy
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'jax', jax.__version__, 'flax', flax.__version__, 'numpy', numpy.__version__, jax.devices())" \
   2>&1
-XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" timeout 330 python3 examples/gpu_check.py \
-  --log "$OUT/logs" --timeout 150 --skip leaves 2>&1 | tee "$OUT/gpu_check.txt"
-echo "gpu_check exit $?"
-timeout 170 python3 examples/bench/benchmark.py --device cuda --only tiny,medium,deep,leaves \
+# The benchmark and the call costs first: the checks' tests passed on the last GPU, and
+# these measure what no CPU can (LEAVES is left out: its first GPU compile outlasted 100 s).
+timeout 110 python3 examples/bench/benchmark.py --device cuda --only tiny,medium,deep \
   --out /tmp/gpu_bench --docs "$OUT/benchmarks_cuda.md" 2>&1
 echo "benchmark exit $?"
+timeout 100 python3 examples/bench/call_costs.py --device cuda --docs "$OUT/call_costs_cuda.md" 2>&1
+echo "call_costs exit $?"
+XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" timeout 300 python3 examples/gpu_check.py \
+  --log "$OUT/logs" --timeout 150 --skip leaves 2>&1 | tee "$OUT/gpu_check.txt"
+echo "gpu_check exit $?"

@@ -77,8 +77,14 @@ def machine() -> list[str]:
                          ("torch", "jax", "jaxlib", "flax", "numpy", "transformers")
                          if (v := _version(name)) is not None)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    gpus = ([f"- GPU: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible), "
-             f"CUDA {torch.version.cuda}"] if torch.cuda.is_available() else [])
+    gpus = []
+    if torch.cuda.is_available():
+        import jax
+
+        precision = jax.config.jax_default_matmul_precision or "default (TF32 on recent GPUs)"
+        gpus = [f"- GPU: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible), "
+                f"CUDA {torch.version.cuda}; float32 matmuls: JAX precision {precision}, "
+                f"torch allow_tf32={torch.backends.cuda.matmul.allow_tf32}"]
     return [
         f"- date: {now}",
         f"- code: {_commit()}",

@@ -37,7 +37,15 @@ DEVICE = ["cpu"]
 
 
 def set_device(device: str) -> None:
+    """Where the contestants run. On CUDA, float32 matmuls run in full float32 on both
+    frameworks: JAX's GPU default is TF32 and torch's is not, so their timings would compare
+    different arithmetic, and their outputs differ by TF32's rounding (the first GPU run's
+    agreement rows: 4e-4 to 1e-3)."""
     DEVICE[0] = device
+    if device == "cuda":
+        jax.config.update("jax_default_matmul_precision", "highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def sync() -> None:

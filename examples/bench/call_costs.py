@@ -15,6 +15,14 @@ What this shows, on this machine, through flaxtorch's public API:
   makes (cProfile): a count, not a time, so it compares versions of the bridge on any
   machine.
 
+With ``--device cuda`` (a CUDA machine) the per-tensor rows are the DLPack route's steps on
+the GPU, each timing ended by a synchronize, with one more: exporting the results of a
+program just dispatched (what every call does with its outputs and gradients) against
+exporting ready arrays; the TINY row runs on the GPU; and a host profile of one cached
+forward+backward of the benchmark's MEDIUM block (96 parameter tensors) lists where the
+host's time per call goes (cProfile, own time), which says whether a per-tensor cost on the
+GPU is a wait or Python work.
+
 With ``--docs PATH`` it also writes the per-tensor table, the Python call count, the
 machine and the command as the ``call_costs`` block of a markdown file (docs/benchmarks.md
 takes default-size runs only); the time per call stays the benchmark block's TINY row.
@@ -22,6 +30,7 @@ takes default-size runs only); the time per call stays the benchmark block's TIN
 How to run:
     python examples/bench/call_costs.py                             # about 20 s
     python examples/bench/call_costs.py --docs docs/benchmarks.md   # and update the docs
+    python examples/bench/call_costs.py --device cuda --docs docs/benchmarks.md  # on a GPU
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from torchside import FlaxModule  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
-from _measure import torch_inputs  # noqa: E402
+from _measure import DEVICE, set_device, torch_inputs  # noqa: E402
 from _sizes import SIZES  # noqa: E402
 from benchmark import run_workload, workloads  # noqa: E402
 
@@ -88,6 +97,68 @@ def tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
     ]
 
 
+def cuda_tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
+    """The DLPack route's steps on ``cuda:0``, per tensor; each timing ends synchronized."""
+    device = torch.device("cuda", 0)
+    gpu = bridge.jax_device(device)
+    tensors = [torch.randn(64, device=device) for _ in range(n)]
+    arrays = jax.block_until_ready(
+        [jax.device_put(np.full(64, i, np.float32), gpu) + 1 for i in range(n)])
+    program = jax.jit(lambda xs: [x * 2.0 for x in xs])
+    jax.block_until_ready(program(arrays))  # compiled outside the timings
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+            jax.block_until_ready(arrays)
+        return run
+
+    def exported(outs):
+        return [torch.from_dlpack(o) for o in outs]
+
+    run_only = per_item(synced(lambda: jax.block_until_ready(program(arrays))), n, repeats)
+    run_and_export = per_item(synced(lambda: exported(program(arrays))), n, repeats)
+    return [
+        ("bridge.to_jax (CUDA: a DLPack import)",
+         per_item(synced(lambda: [bridge.to_jax(t) for t in tensors]), n, repeats), "yes"),
+        ("bridge.to_torch, ready arrays (CUDA: a DLPack export)",
+         per_item(synced(lambda: [bridge.to_torch(a) for a in arrays]), n, repeats), "yes"),
+        ("DLPack import, jax.dlpack.from_dlpack",
+         per_item(synced(lambda: [jax.dlpack.from_dlpack(t) for t in tensors]), n, repeats),
+         "yes"),
+        ("DLPack export, torch.from_dlpack, ready arrays",
+         per_item(synced(lambda: exported(arrays)), n, repeats), "yes"),
+        (f"a program over the {n} arrays, run and waited for", run_only, "-"),
+        ("DLPack export, torch.from_dlpack, of the results of that program just dispatched "
+         "(run + export - run)", run_and_export - run_only, "yes"),
+    ]
+
+
+def host_profile(top: int, repeats: int) -> tuple[str, float, list[tuple[str, float]]]:
+    """Host seconds per cached forward+backward of the benchmark's MEDIUM ``FlaxModule``
+    on ``DEVICE``, and the ``top`` functions by own time per call (cProfile)."""
+    (medium,) = workloads(["medium"], SIZES["full"])
+    layer = FlaxModule(medium.module, variables=medium.variables).to(DEVICE[0])
+    x, ct = torch_inputs(medium)
+    for _ in range(3):  # compile and settle
+        layer(x).backward(ct)
+    torch.cuda.synchronize() if DEVICE[0] == "cuda" else None
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(repeats):
+        layer(x).backward(ct)
+    torch.cuda.synchronize() if DEVICE[0] == "cuda" else None
+    profile.disable()
+    per_call = (time.perf_counter() - start) / repeats
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = sorted(((f"{os.path.basename(f)}:{line} {name} ({nc // repeats} calls)", tt / repeats)
+                   for (f, line, name), (_, nc, tt, _, _) in stats.items()),
+                  key=lambda r: -r[1])[:top]
+    return medium.describe(), per_call, rows
+
+
 def tiny_workload():
     """The benchmark's TINY workload: its model, weights, input and cotangent."""
     (tiny,) = workloads(["tiny"], SIZES["full"])
@@ -101,7 +172,7 @@ def call_row(tiny) -> dict:
 
 def python_calls_per_call(tiny, repeats: int) -> float:
     """Python function calls per cached forward+backward of TINY through ``FlaxModule``."""
-    layer = FlaxModule(tiny.module, variables=tiny.variables)
+    layer = FlaxModule(tiny.module, variables=tiny.variables).to(DEVICE[0])
     x, ct = torch_inputs(tiny)
     for _ in range(3):  # compile and settle
         layer(x).backward(ct)
@@ -123,12 +194,17 @@ def main() -> None:
     parser.add_argument("--docs", default=None, metavar="PATH",
                         help="also write the tables as the call_costs block of this "
                              "markdown file (docs/benchmarks.md: default sizes only)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the DLPack route's steps on the GPU, TINY on the GPU, "
+                             "and a host profile of MEDIUM's call there")
     args = parser.parse_args()
     n, repeats = args.tensors, args.repeats
+    set_device(args.device)
     if args.docs:
         full = (n, repeats) == (DEFAULTS["tensors"], DEFAULTS["repeats"])
         _docs.check_target(args.docs, full=full, script="call_costs.py")
-    tensors = tensor_rows(n, repeats)
+    tensors = cuda_tensor_rows(n, repeats) if args.device == "cuda" else tensor_rows(n, repeats)
+    profiled = host_profile(12, repeats) if args.device == "cuda" else None
     tiny = tiny_workload()
     row = call_row(tiny)
     python_calls = python_calls_per_call(tiny, max(repeats, 10))
@@ -150,6 +226,16 @@ def main() -> None:
         print(f"{name.ljust(width)}  {seconds * 1e6:7.0f} us  {seconds / base:.2f}x torch eager")
     print(f"Python function calls per cached forward+backward of TINY's FlaxModule: "
           f"{python_calls:.0f}")
+    profile_lines = []
+    if profiled is not None:
+        describe, per_call, rows = profiled
+        profile_lines = [
+            f"Host time per cached forward+backward of MEDIUM ({describe}) on the GPU, "
+            f"synchronized: {per_call * 1e3:.2f} ms; the {len(rows)} functions with the most "
+            f"own time per call (cProfile, which slows Python work):", "",
+            _docs.md_table(["function", "own time per call"],
+                           [[name, f"{t * 1e6:.0f} us"] for name, t in rows]), ""]
+        print("\n".join(profile_lines))
 
     if args.docs:
         body = "\n".join([
@@ -167,9 +253,11 @@ def main() -> None:
             "",
             f"Python function calls per cached forward+backward of TINY's FlaxModule "
             f"(cProfile): {python_calls:.0f}.",
+            "", *profile_lines,
         ])
-        _docs.write_block(args.docs, "call_costs", body)
-        print(f"wrote the call_costs block of {args.docs}")
+        block = "call_costs" if args.device == "cpu" else f"call_costs_{args.device}"
+        _docs.write_block(args.docs, block, body)
+        print(f"wrote the {block} block of {args.docs}")
 
 
 if __name__ == "__main__":
