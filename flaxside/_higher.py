@@ -97,18 +97,8 @@ def batched_function(program: Program, in_axes: tuple) -> Callable:
 
 
 
-def per_sample_vjp_function(program: Program, batched: tuple[bool, ...]) -> Callable:
-    """``f(leaves, cotangents)``: per sample, the gradients of ``program``'s ``diff`` leaves.
-
-    ``program`` is traced for one sample: every leaf marked in ``batched`` has a leading
-    axis of size 1. ``f`` takes those leaves with the whole batch on axis 0 (the other
-    leaves, the parameters, as they are) and one cotangent per differentiable output,
-    batched the same way, and returns per ``diff`` leaf its gradients stacked on a new
-    axis 0: the gradient sample ``i``'s cotangent pulls through sample ``i``'s forward. One
-    program for the batch: ``jax.vmap`` of ``vjp_function``, whose forward is the
-    program's own traced body (its remat policy included). Exact for a block whose output
-    for sample ``i`` depends only on input ``i``.
-    """
+def _per_sample_vjp(program: Program, batched: tuple[bool, ...], out_axes) -> Callable:
+    """``jax.vmap`` over the batch of ``vjp_function`` on one sample at a time."""
     vjp = vjp_function(program)
     axes = [0 if b else None for b in batched]
 
@@ -117,26 +107,82 @@ def per_sample_vjp_function(program: Program, batched: tuple[bool, ...]) -> Call
         return vjp(leaves, [c[None] for c in cotangents])
 
     def f(leaves, cotangents):
-        return jax.vmap(one, in_axes=(axes, 0))(list(leaves), list(cotangents))
+        return jax.vmap(one, in_axes=(axes, 0), out_axes=out_axes)(list(leaves),
+                                                                   list(cotangents))
 
+    return f
+
+
+def per_sample_axes(program: Program, batched: tuple[bool, ...]) -> tuple[int, ...]:
+    """Per ``diff`` leaf, the axis on which its per-sample gradients come out batched.
+
+    ``jax.vmap`` puts each result's batch axis first by moving it there, and for a leaf
+    stacked by a scan (``nn.scan``, ``nn.remat_scan``, ``remat_stack``) the batched VJP
+    computes it behind the layer axes: the move is a transpose, a copy of every per-sample
+    gradient, as large as the program's whole output (the DP-SGD rows of
+    ``examples/bench/benchmark.py`` measure what it cost). Read from the batched
+    VJP's jaxpr, traced once for a batch of two: where a result is that move (a
+    ``transpose`` bringing one axis to the front), the axis it moves; else 0. The
+    gradients are then returned where they lie, and read through a view (torch) or reduced
+    over the other axes (``per_sample_norms_function``).
+    """
+    leaves = [jax.ShapeDtypeStruct((2, *s.shape[1:]) if b else s.shape, s.dtype)
+              for s, b in zip(program.specs, batched, strict=True)]
+    cotangents = [jax.ShapeDtypeStruct((2, *program.out_specs[k].shape[1:]),
+                                       program.out_specs[k].dtype)
+                  for k in program.diff_out_index]
+    jaxpr = jax.make_jaxpr(_per_sample_vjp(program, batched, 0))(leaves, cotangents).jaxpr
+    made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    axes = []
+    for v in jaxpr.outvars:
+        eqn, axis = made.get(id(v)), 0
+        if eqn is not None and eqn.primitive.name == "transpose":
+            perm = tuple(eqn.params["permutation"])
+            if perm == (perm[0], *range(perm[0]), *range(perm[0] + 1, len(perm))):
+                axis = perm[0]
+        axes.append(axis)
+    return tuple(axes)
+
+
+def per_sample_vjp_function(program: Program, batched: tuple[bool, ...]) -> Callable:
+    """``f(leaves, cotangents)``: per sample, the gradients of ``program``'s ``diff`` leaves.
+
+    ``program`` is traced for one sample: every leaf marked in ``batched`` has a leading
+    axis of size 1. ``f`` takes those leaves with the whole batch on axis 0 (the other
+    leaves, the parameters, as they are) and one cotangent per differentiable output,
+    batched the same way, and returns per ``diff`` leaf its gradients stacked on a new
+    axis, ``f.batch_axes[i]`` (``per_sample_axes``: 0 but for leaves stacked by a scan):
+    the gradient sample ``i``'s cotangent pulls through sample ``i``'s forward. One
+    program for the batch: ``jax.vmap`` of ``vjp_function``, whose forward is the
+    program's own traced body (its remat policy included). Exact for a block whose output
+    for sample ``i`` depends only on input ``i``.
+    """
+    axes = per_sample_axes(program, batched)
+    f = _per_sample_vjp(program, batched, list(axes))
+    f.batch_axes = axes
     return f
 
 
 def per_sample_norms_function(program: Program, batched: tuple[bool, ...]) -> Callable:
     """``f(leaves, cotangents)``: per ``diff`` leaf, each sample's gradient's 2-norm.
 
-    As ``per_sample_vjp_function``, reduced in the same program: ``f`` returns a vector of
-    the batch's length per leaf. The per-sample gradients exist only inside the compiled
-    program (XLA's temporaries, freed there), never as its outputs; the sum of squares
-    runs in float32 at least, as ``torch.linalg.vector_norm`` of a bfloat16 tensor does.
+    As ``per_sample_vjp_function``, reduced in the same program over every axis but the
+    batch's, where the gradients lie: ``f`` returns a vector of the batch's length per
+    leaf. The per-sample gradients exist only inside the compiled program (XLA's
+    temporaries, freed there), never as its outputs; the sum of squares runs in float32 at
+    least, as ``torch.linalg.vector_norm`` of a bfloat16 tensor does.
     """
     grads = per_sample_vjp_function(program, batched)
 
     def f(leaves, cotangents):
         out = []
-        for g in grads(leaves, cotangents):
-            wide = g.reshape(g.shape[0], -1).astype(jnp.promote_types(g.dtype, jnp.float32))
-            out.append(jnp.linalg.norm(wide, axis=1).astype(jnp.finfo(g.dtype).dtype))
+        for g, axis in zip(grads(leaves, cotangents), grads.batch_axes, strict=True):
+            wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+            squares = (wide.real * wide.real + wide.imag * wide.imag
+                       if jnp.iscomplexobj(wide) else wide * wide)
+            others = tuple(a for a in range(g.ndim) if a != axis)
+            out.append(jnp.sqrt(jnp.sum(squares, axis=others))
+                       .astype(jnp.finfo(g.dtype).dtype))
         return out
 
     return f

@@ -69,6 +69,7 @@ class Derived(CallerOwner):
 
     def __init__(self, settings, edges):
         self._caller = Caller(settings, edges, residuals="save", recompile_warning=None)
+        self.batch_axes = None  # set by ``derived``
 
     def __call__(self, *args):
         """Calls the derived function with positional pytrees of tensors, like any owner.
@@ -97,9 +98,12 @@ def derived(edges, entry, kind: str, make, key=None) -> Derived:
     owner = owners.get((kind, key))
     if owner is None:
         order = entry.routes["eager"].order + 1
-        settings = function_settings(f"{entry.program.name} ({kind})", make(entry.program),
-                                     order)
+        fn = make(entry.program)
+        settings = function_settings(f"{entry.program.name} ({kind})", fn, order)
         owner = owners[kind, key] = Derived(settings, edges)
+        # Per result, the axis its batch lies on, where the function says (per-sample
+        # gradients stacked by a scan: flaxside's per_sample_axes); None: axis 0 or none.
+        owner.batch_axes = getattr(fn, "batch_axes", None)
     return owner
 
 

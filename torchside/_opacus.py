@@ -102,6 +102,9 @@ def _per_sample(module: FlaxModule, activations, backprops, kind: str, make) -> 
     out_dtype = bridge.torch_dtype(entry.program.out_specs[entry.diff_out_index[0]].dtype)
     with torch.no_grad():
         results = owner(leaves, [backprops.to(out_dtype)])
+    if owner.batch_axes is not None:  # gradients stacked by a scan: the batch first, a view
+        results = [r.movedim(axis, 0) for r, axis in zip(results, owner.batch_axes,
+                                                         strict=True)]
     params = [scope._parameters.get(name) for scope, name, _ in module._refs]
     return {params[i]: r for i, r in zip(entry.grad_slots, results, strict=True)
             if params[i] is not None}

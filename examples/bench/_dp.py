@@ -1,6 +1,6 @@
 """The benchmark's DP-SGD rows: a differentially private step through Opacus.
 
-The model: a torch ``Linear`` into a ``FlaxModule`` over a ``remat_stack`` trunk of residual
+The model: a torch ``Linear`` into a ``FlaxModule`` over an ``nn.remat_scan`` trunk of residual
 MLP blocks and a ``Dense`` head (10 classes), cross-entropy loss. One DP-SGD step: each
 sample's gradient, clipped to norm ``CLIP``, summed, Gaussian noise of standard deviation
 ``NOISE * CLIP`` added, divided by the batch, an SGD update. Contestants, on the same
@@ -40,7 +40,7 @@ from torchside import FlaxModule
 PrivacyEngine = None  # opacus's, imported by dp_rows (the 'dp' extra)
 
 CLIP, NOISE, LR, CLASSES = 1.0, 1.0, 0.1, 10
-# (features, width, remat_stack lengths, batch) per benchmark size.
+# (features, width, nn.remat_scan lengths, batch) per benchmark size.
 SHAPES = {"full": (64, 128, (4, 4), 64), "quick": (64, 128, (2, 4), 32),
           "smoke": (8, 16, (2, 2), 4)}
 # DP-SGD step through the bridge: at most this many times pure JAX, and no slower than the
@@ -49,7 +49,7 @@ TARGET_JAX, TARGET_TWIN = 1.5, 1.0
 
 
 class Head(nn.Module):
-    """The Flax part: a ``remat_stack`` trunk then a ``Dense`` head."""
+    """The Flax part: an ``nn.remat_scan`` trunk then a ``Dense`` head."""
 
     width: int
     lengths: tuple
@@ -203,7 +203,7 @@ def dp_rows(size_name: str, size: dict) -> list[dict]:
         times, rounds = race(racers, budget=size["budget"], min_repeats=size["min_repeats"],
                              warmup=size["warmup"])
     n_params = sum(p.numel() for p in racers[2].model.parameters())
-    describe = (f"Linear {features}->{width}, remat_stack{lengths} of residual MLP blocks, "
+    describe = (f"Linear {features}->{width}, nn.remat_scan{lengths} of residual MLP blocks, "
                 f"Dense {CLASSES}; batch {batch}, {n_params:,} parameters, clip {CLIP}, "
                 f"noise {NOISE}")
     print(f"  DP-SGD: {describe}: {time.perf_counter() - t0:.0f} s", flush=True)
