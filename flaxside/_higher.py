@@ -84,17 +84,50 @@ def jvp_function(program: Program) -> Callable:
 def batched_function(program: Program, in_axes: tuple) -> Callable:
     """``h(leaves)``: ``program``'s results under ``jax.vmap``.
 
-    ``in_axes``: per leaf, its batch axis or ``None``; every result is batched on axis 0.
+    ``in_axes``: per leaf, its batch axis or ``None``. Each result is batched on axis
+    ``h.batch_axes[k]``: where the batched program computes it (``_moved_axes``; 0 but for
+    results stacked by a scan, such as a VJP's gradients of stacked parameters).
     """
+    in_axes = tuple(None if a is None else a % (len(s.shape) + 1)
+                    for a, s in zip(in_axes, program.specs, strict=True))
 
-    def h(leaves):
-        def one(*leaves):
-            return program._traced_results(list(leaves))
+    def at(out_axes):
+        def h(leaves):
+            def one(*leaves):
+                return program._traced_results(list(leaves))
 
-        return jax.vmap(one, in_axes=tuple(in_axes), out_axes=0)(*leaves)
+            return jax.vmap(one, in_axes=in_axes, out_axes=out_axes)(*leaves)
 
+        return h
+
+    avals = [s.aval if a is None else jax.ShapeDtypeStruct((*s.shape[:a], 2, *s.shape[a:]),
+                                                           s.dtype)
+             for s, a in zip(program.specs, in_axes, strict=True)]
+    axes = _moved_axes(jax.make_jaxpr(at(0))(avals).jaxpr)
+    h = at(list(axes))
+    h.batch_axes = axes
     return h
 
+
+def _moved_axes(jaxpr) -> tuple[int, ...]:
+    """Per output of a ``jax.vmap`` jaxpr (batch first), where the computation put the batch.
+
+    ``vmap`` moves each result's batch axis to the front; where the computation leaves it
+    elsewhere (a leaf stacked by a scan, whose batched transpose computes it behind the
+    layer axes), the move is a transpose that copies the whole result. Where an output is
+    exactly that move (a ``transpose`` bringing one axis to the front), the axis it moves;
+    else 0. Asking ``vmap`` for the batch there returns the result without the copy.
+    """
+    made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    axes = []
+    for v in jaxpr.outvars:
+        eqn, axis = made.get(id(v)), 0
+        if eqn is not None and eqn.primitive.name == "transpose":
+            perm = tuple(eqn.params["permutation"])
+            if perm == (perm[0], *range(perm[0]), *range(perm[0] + 1, len(perm))):
+                axis = perm[0]
+        axes.append(axis)
+    return tuple(axes)
 
 
 def _per_sample_vjp(program: Program, batched: tuple[bool, ...], out_axes) -> Callable:
@@ -120,28 +153,18 @@ def per_sample_axes(program: Program, batched: tuple[bool, ...]) -> tuple[int, .
     stacked by a scan (``nn.scan``, ``nn.remat_scan``, ``remat_stack``) the batched VJP
     computes it behind the layer axes: the move is a transpose, a copy of every per-sample
     gradient, as large as the program's whole output (the DP-SGD rows of
-    ``examples/bench/benchmark.py`` measure what it cost). Read from the batched
-    VJP's jaxpr, traced once for a batch of two: where a result is that move (a
-    ``transpose`` bringing one axis to the front), the axis it moves; else 0. The
-    gradients are then returned where they lie, and read through a view (torch) or reduced
-    over the other axes (``per_sample_norms_function``).
+    ``examples/bench/benchmark.py`` measure what it cost). Read from the batched VJP's
+    jaxpr, traced once for a batch of two (``_moved_axes``). The gradients are then
+    returned where they lie, and read through a view (torch) or reduced over the other
+    axes (``per_sample_norms_function``).
     """
     leaves = [jax.ShapeDtypeStruct((2, *s.shape[1:]) if b else s.shape, s.dtype)
               for s, b in zip(program.specs, batched, strict=True)]
     cotangents = [jax.ShapeDtypeStruct((2, *program.out_specs[k].shape[1:]),
                                        program.out_specs[k].dtype)
                   for k in program.diff_out_index]
-    jaxpr = jax.make_jaxpr(_per_sample_vjp(program, batched, 0))(leaves, cotangents).jaxpr
-    made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    axes = []
-    for v in jaxpr.outvars:
-        eqn, axis = made.get(id(v)), 0
-        if eqn is not None and eqn.primitive.name == "transpose":
-            perm = tuple(eqn.params["permutation"])
-            if perm == (perm[0], *range(perm[0]), *range(perm[0] + 1, len(perm))):
-                axis = perm[0]
-        axes.append(axis)
-    return tuple(axes)
+    return _moved_axes(jax.make_jaxpr(_per_sample_vjp(program, batched, 0))(
+        leaves, cotangents).jaxpr)
 
 
 def per_sample_vjp_function(program: Program, batched: tuple[bool, ...]) -> Callable:

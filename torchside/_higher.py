@@ -282,9 +282,16 @@ class TransformedCall(torch.autograd.Function):
         owner = derived(edges, entry, f"vmap over {dims}",
                         lambda program: _batched(program, dims))
         results = owner(list(leaves))
-        return tuple(results), (0,) * len(results)
+        # Each result batched where the batched program computed it (a VJP's gradients of
+        # scan-stacked parameters: behind the layer axes), which torch takes as is.
+        return tuple(results), tuple(owner.batch_axes)
 
 
 def _batched(program, dims):
     fn = batched_function(program, dims)
-    return lambda leaves: fn(list(leaves))
+
+    def h(leaves):
+        return fn(list(leaves))
+
+    h.batch_axes = fn.batch_axes
+    return h

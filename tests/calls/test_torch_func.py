@@ -16,7 +16,7 @@ import torch.autograd.forward_ad as fwAD
 from flax import nnx
 
 from tests.support.references import to_jax
-from tests.support.twins import BatchNormMLP, NnxDropoutMLP, TanhMLP
+from tests.support.twins import BatchNormMLP, NnxDropoutMLP, ReadmeDeep, TanhMLP
 from torchside import FlaxModule, jax_function
 
 
@@ -104,6 +104,37 @@ def test_per_sample_gradients_equal_pure_jax_and_a_loop_over_samples():
         loss(dict(m.named_parameters()), xs[i], ys[i]).backward()
         for name, p in m.named_parameters():
             _close(per_sample[name][i], p.grad.numpy(), f"sample {i}, {name}")
+
+
+def test_per_sample_gradients_of_a_scan_stack_come_batched_where_computed():
+    """``vmap(grad(functional_call))`` of a remat_scan stack, against pure JAX's
+    ``vmap(grad)``. The batched VJP computes each stacked parameter's per-sample gradients
+    with the batch behind the layer axes; the vmap rule tells torch that axis instead of
+    moving it first inside the program (a copy of all of them), so torch's result is a view
+    with the batch moved out front: not contiguous (it was, with the copy)."""
+    block = ReadmeDeep(4)
+    m = FlaxModule(block, example_args=(torch.zeros(1, 4),))
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+
+    def loss(p, x, y):
+        return ((torch.func.functional_call(m, p, (x[None],)) - y[None]) ** 2).sum()
+
+    def jax_loss(p, x, y):
+        return ((block.apply({"params": p}, x[None]) - y[None]) ** 2).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    jax_params = jax.tree_util.tree_map(jnp.asarray, m.flax_variables()["params"])
+    want = jax.vmap(jax.grad(jax_loss), in_axes=(None, 0, 0))(jax_params, to_jax(xs),
+                                                               to_jax(ys))
+    flat = dict(jax.tree_util.tree_leaves_with_path(want))
+    assert set(per_sample) == set(params)
+    for name, got in per_sample.items():
+        assert got.shape == (6, *params[name].shape)
+        assert not got.is_contiguous(), (name, got.stride())
+        key = tuple(jax.tree_util.DictKey(k) for k in name.split(".")[1:])
+        _close(got, flat[key], f"{name} against jax.vmap(jax.grad)")
 
 
 def test_an_ensemble_of_modules_under_vmap_equals_each_module():
