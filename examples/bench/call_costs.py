@@ -58,7 +58,7 @@ from torchside import FlaxModule  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
-from _measure import DEVICE, set_device, torch_inputs  # noqa: E402
+from _measure import DEVICE, set_device, sync, torch_inputs  # noqa: E402
 from _sizes import SIZES  # noqa: E402
 from benchmark import run_workload, workloads  # noqa: E402
 
@@ -110,7 +110,7 @@ def cuda_tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
     def synced(fn):
         def run():
             fn()
-            torch.cuda.synchronize()
+            sync()
             jax.block_until_ready(arrays)
         return run
 
@@ -143,13 +143,13 @@ def host_profile(top: int, repeats: int) -> tuple[str, float, list[tuple[str, fl
     x, ct = torch_inputs(medium)
     for _ in range(3):  # compile and settle
         layer(x).backward(ct)
-    torch.cuda.synchronize() if DEVICE[0] == "cuda" else None
+    sync()
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
     for _ in range(repeats):
         layer(x).backward(ct)
-    torch.cuda.synchronize() if DEVICE[0] == "cuda" else None
+    sync()
     profile.disable()
     per_call = (time.perf_counter() - start) / repeats
     stats = pstats.Stats(profile).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
