@@ -120,3 +120,12 @@ def unpack_by_rank(buffer, shapes: list, dims: list, n: int) -> list:
         out.append(jnp.moveaxis(part.reshape(moved), 0, d))
         offset += size
     return out
+
+
+def sharded_by_dtype(arrays, dims) -> list[list[int]]:
+    """Indices of the sharded arrays (a dim in ``dims``), grouped by dtype in first order."""
+    groups: dict = {}
+    for k, (a, d) in enumerate(zip(arrays, dims, strict=True)):
+        if d is not None:
+            groups.setdefault(jnp.dtype(a.dtype), []).append(k)
+    return list(groups.values())

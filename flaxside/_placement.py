@@ -45,9 +45,10 @@ replicated (one all-gather) and unpacks it; ``OnMesh.scattered`` packs the layer
 gradients the same way and constrains the buffer sharded. One gather per layer, per dtype.
 The reduction is the partitioner's: an all-reduce of each gradient where the op contracting
 the batch makes it, which XLA's all-reduce combiner (CPU and GPU backends) merges into one
-per loop body; the compiled loop holds one reduction per layer, moving full gradients,
-where a packed reduce-scatter would move half (it needs the layer's VJP per rank, in
-``shard_map``).
+tuple per loop body, moving full gradients. Where a layer computes the same per rank, the
+stack runs per rank instead and moves each layer both ways with one all-to-all, the
+gradient's a reduce-scatter (NOTE [Per-rank stacks] in ``_per_rank.py``); ``gathered``
+and ``scattered`` here are the route for the other layers.
 
 NOTE [Mixed precision]. A placement over a mesh may read parameters in another dtype than
 they are held in, as FSDP2's ``MixedPrecisionPolicy`` does: ``OnMesh.cast`` gives per leaf
@@ -61,9 +62,10 @@ gather (``gathered``), and its gradients cast back to the leaf's dtype after the
 reduction (``scattered``). Gradients are reduced in the compute dtype: XLA's partitioner
 reduces each parameter's gradient where the op contracting the batch makes it (an
 all-reduce per parameter, in that op's dtype, bfloat16 for a Dense kernel; the CPU backend
-then combines them into one all-reduce per loop body). A reduction in another dtype (FSDP2's
-``reduce_dtype``) needs the layer's VJP run per rank (``shard_map``) with an explicit
-``psum_scatter``; ``torchside.shard`` refuses one until then.
+then combines them into one all-reduce per loop body). Per rank (NOTE [Per-rank
+stacks]) a layer's gradients cross in the compute dtype too and are summed in the leaf's.
+A reduction in another dtype (FSDP2's ``reduce_dtype``) would cast before that all-to-all;
+``torchside.shard`` refuses one until it is plumbed through.
 XLA's CPU backend widens bfloat16 collectives to float32 after partitioning
 (``float-normalization-bf16``, ``all-reduce-promotion``): on CPU the bytes moved stay
 float32's; GPU backends keep them.
@@ -84,7 +86,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxside._device import compiling_for
-from flaxside._pack import Alone, pack_by_rank, pack_plan, unpack_by_rank
+from flaxside._pack import Alone, pack_by_rank, pack_plan, sharded_by_dtype, unpack_by_rank
 from flaxside._specs import LeafSpec
 
 jtu = jax.tree_util
@@ -259,7 +261,7 @@ class OnMesh:
         arrays = [a if t is None else a.astype(t)
                   for a, t in zip(arrays, dtypes or [None] * len(arrays), strict=True)]
         out = list(arrays)
-        for group in _by_dtype(arrays, dims):
+        for group in sharded_by_dtype(arrays, dims):
             buffer = pack_by_rank([arrays[k] for k in group], [dims[k] for k in group],
                                   self.size)
             buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2, 0))
@@ -280,7 +282,7 @@ class OnMesh:
         NOTE [Mixed precision]).
         """
         out = list(grads)
-        for group in _by_dtype(grads, dims):
+        for group in sharded_by_dtype(grads, dims):
             buffer = pack_by_rank([grads[k] for k in group], [dims[k] for k in group],
                                   self.size)
             buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2, 0))
@@ -371,11 +373,3 @@ class OnMesh:
 
         return run
 
-
-def _by_dtype(arrays, dims) -> list[list[int]]:
-    """Indices of the sharded arrays (a dim in ``dims``), grouped by dtype in first order."""
-    groups: dict = {}
-    for k, (a, d) in enumerate(zip(arrays, dims, strict=True)):
-        if d is not None:
-            groups.setdefault(jnp.dtype(a.dtype), []).append(k)
-    return list(groups.values())

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flaxside import _per_rank as per_rank
 from flaxside._placement import program_leaves
 from flaxside._specs import Learned
 from flaxside._vjp_leaves import label_leaves
@@ -46,8 +47,10 @@ def _put(stack, i, value):
     return jtu.tree_map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), stack, value)
 
 
-def _layer_access(params, n_layout: int) -> tuple[object, Callable, Callable]:
-    """``(params, layer, layer_grads)``: what the stack runs on, and how it reads layer i.
+def _layer_access(layer_fn, params, n_layout: int, carry, consts) -> tuple:
+    """``(params, layer, layer_grads, plan)``: what the stack runs on and how it reads layer i.
+
+    ``plan``: how to run it per rank, or ``None`` (as one program).
 
     ``layer(flat, i)`` reads layer ``i``, ``layer_grads`` hands back its gradient. Off a
     mesh: ``params``, the slice and the identity. Inside a program over a mesh,
@@ -55,17 +58,30 @@ def _layer_access(params, n_layout: int) -> tuple[object, Callable, Callable]:
     replaced by the leaf the program received (a float32 shard where the function reads a
     bfloat16 cast): the slice is cast and gathered as one buffer, the gradient reduced
     and cast back to the leaf's dtype (NOTE [One collective per layer], NOTE [Mixed
-    precision]); a leaf sharded on a layer axis, or not known, is left to XLA.
+    precision]), per rank with an all-to-all each where the layer allows it (NOTE
+    [Per-rank stacks]); a leaf sharded on a layer axis, or not known, is left to XLA.
     """
     leaves, treedef = jtu.tree_flatten(params)
     placement, found = program_leaves(leaves)
     if placement is None or all(f is None for f in found):
-        return params, _take, lambda g: g
+        return params, _take, lambda g: g, None
+    sources = [x if f is None else f.source for x, f in zip(leaves, found, strict=True)]
+    dtypes = [x.dtype for x in sources]
+    plan = per_rank.plan(layer_fn, placement, found, sources, treedef, n_layout, carry,
+                         consts)
+    if plan is not None:
+        def layer(flat, i):
+            return jtu.tree_unflatten(treedef, per_rank.gathered(
+                plan, jtu.tree_leaves(_take(flat, i))))
+
+        def layer_grads(g):
+            return jtu.tree_unflatten(treedef, per_rank.scattered(
+                plan, jtu.tree_leaves(g), dtypes))
+
+        return jtu.tree_unflatten(treedef, sources), layer, layer_grads, plan
     dims = [None if f is None or f.dim is None or f.dim < n_layout else f.dim - n_layout
             for f in found]
-    sources = [x if f is None else f.source for x, f in zip(leaves, found, strict=True)]
     reads = [None if f is None else f.dtype for f in found]
-    dtypes = [x.dtype for x in sources]
 
     def layer(flat, i):
         return jtu.tree_unflatten(treedef, placement.gathered(
@@ -75,7 +91,7 @@ def _layer_access(params, n_layout: int) -> tuple[object, Callable, Callable]:
         return jtu.tree_unflatten(treedef, placement.scattered(jtu.tree_leaves(g), dims,
                                                                dtypes))
 
-    return jtu.tree_unflatten(treedef, sources), layer, layer_grads
+    return jtu.tree_unflatten(treedef, sources), layer, layer_grads, None
 
 
 def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy=None,
@@ -115,7 +131,8 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
     # Layers per child segment at each level; the innermost level's children are layers.
     child = tuple(math.prod(lengths[k + 1 :]) for k in range(levels))
     checkpointed = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
-    params, layer, layer_grads = _layer_access(params, len(layout))
+    params, layer, layer_grads, plan = _layer_access(layer_fn, params, len(layout), carry,
+                                                     consts)
 
     def run(flat, consts, start, count, c):
         def body(t, c):
@@ -209,4 +226,6 @@ def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy
                 f"stack_apply: a parameter has shape {tuple(leaf.shape)}, but its leading axes "
                 f"must be {layout}. Stack the layers' parameters with leading axes {layout}."
             )
+    if plan is not None:
+        return per_rank.apply(stack, plan, params, carry, consts)
     return stack(params, carry, consts)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -126,6 +127,7 @@ def _linen(width: int, lengths, policy=None):
 
 
 def _one_gather_per_layer(counts) -> None:
+    """The partitioner's route: per loop body one packed all-gather, one reduction."""
     for kind, bodies in counts.items():
         assert any("all-gather" in ops for ops in bodies), (kind, bodies)
         for ops in bodies:
@@ -134,10 +136,20 @@ def _one_gather_per_layer(counts) -> None:
             assert not set(ops) - {"all-gather", "all-reduce", "reduce-scatter"}, (kind, ops)
 
 
+def _per_rank(counts) -> None:
+    """Per rank (NOTE [Per-rank stacks]): a forward body gathers its layer in one
+    all-to-all; a backward body holds at most that and the gradient's one all-to-all, and
+    one body does both (the layer's VJP)."""
+    for kind, bodies in counts.items():
+        assert all(set(ops) <= {"all-to-all"} for ops in bodies), (kind, bodies)
+        most = 1 if kind == "forward_with_residuals" else 2
+        assert max(len(ops) for ops in bodies) == most, (kind, bodies)
+
+
 @pytest.mark.parametrize(("lengths", "policy"), [((2, 4), None), ((8,), "dots_saveable")],
                          ids=["two-levels", "one-level-dots"])
 def test_a_linen_stack_gathers_each_layer_in_one_collective(lengths, policy):
-    _one_gather_per_layer(_check(*_linen(16, lengths, policy)))
+    _per_rank(_check(*_linen(16, lengths, policy)))
 
 
 def test_an_nnx_stack_gathers_each_layer_in_one_collective():
@@ -150,7 +162,47 @@ def test_an_nnx_stack_gathers_each_layer_in_one_collective():
         model = nnx.merge(graphdef, jtu.tree_unflatten(treedef, ls[:-1]))
         return model(ls[-1]), [], None
 
-    _one_gather_per_layer(_check(fn, [*leaves, x]))
+    _per_rank(_check(fn, [*leaves, x]))
+
+
+class BatchCentered(nn.Module):
+    """Mixes the batch: each row minus the batch's mean, which per rank would be its half's."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(self.width)(x - x.mean(axis=0)))
+
+
+class Dropped(nn.Module):
+    """Draws dropout bits for the carry's global shape: per rank, each would draw its own
+    half's bits from the start of the stream instead of from its rows' offset."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(self.width)(x)))
+
+
+@pytest.mark.parametrize("block", [BatchCentered, Dropped], ids=["batch-mean", "dropout"])
+def test_a_layer_that_is_not_the_same_per_rank_keeps_the_partitioners_route(block):
+    """Run per rank, these would compute something else; ``_check`` compares them with the
+    program on one device (it fails with the per-rank probe bypassed)."""
+    stack = flaxside.remat_stack(block, 4, lengths=(2, 2), width=16)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, 16)), jnp.float32)
+    variables = stack.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    leaves, treedef = jtu.tree_flatten(variables)
+    _, args = jtu.tree_flatten(((x,), {}))
+    key = jax.random.key(2)
+    fn = flat_apply(lambda v, *a: (stack.apply(v, *a, rngs={"dropout": key}), [], None),
+                    treedef, args, (ARRAY,))
+    counts = _check(fn, [*leaves, x])
+    for kind, bodies in counts.items():  # the packed gathers; the layer's own reductions
+        assert any("all-gather" in ops for ops in bodies), (kind, bodies)
+        assert all(ops.count("all-gather") <= 1 and "all-to-all" not in ops
+                   for ops in bodies), (kind, bodies)
 
 
 def test_a_parameter_sharded_on_a_layer_axis_is_left_to_xla():
@@ -187,13 +239,11 @@ def _partitioned(dump, program) -> dict:
                     reason="test_mesh_collectives.py runs it with XLA's dump")
 def test_a_bfloat16_policy_gathers_each_layer_cast_in_one_collective():
     """``OnMesh(cast=bfloat16)`` on the parameters and the batch (as ``torchside.shard``'s
-    ``mp_policy`` reads them): one all-gather per loop body, of bfloat16 as the
-    partitioner emits it, and one reduction per body once compiled.
+    ``mp_policy`` reads them): per rank, each loop body's all-to-alls are of bfloat16 as
+    the partitioner emits them (the gather cast before it, the gradient reduced in the
+    compute dtype and summed in the leaf's), at most one per direction.
 
-    What it does not show: the partitioner reduces each parameter's gradient where the
-    op that contracts the batch makes it, in that op's dtype (bfloat16 for a Dense
-    kernel); the CPU backend then combines them into one
-    all-reduce and promotes it to float32 (NOTE [Mixed precision]).
+    The CPU backend then promotes bfloat16 collectives to float32 (NOTE [Mixed precision]).
     """
     fn, leaves = _linen(16, (2, 4))
     cast = (np.dtype(jnp.bfloat16),) * len(leaves)
@@ -201,9 +251,6 @@ def test_a_bfloat16_policy_gathers_each_layer_cast_in_one_collective():
     dump = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0])
     counts = _partitioned(dump, sharded)
     for kind, bodies in counts.items():
-        gathers = [t for ops in bodies for t, op in ops if op == "all-gather"]
-        assert gathers and set(gathers) == {"bf16"}, (kind, bodies)
-        for ops in bodies:
-            assert [op for _, op in ops].count("all-gather") <= 1, (kind, bodies)
-    assert any(op != "all-gather" for ops in counts["backward"] for _, op in ops), counts
-    _one_gather_per_layer(_loop_collectives(sharded))
+        types = {t for ops in bodies for t, _ in ops}
+        assert types == {"bf16"}, (kind, bodies)
+    _per_rank(_loop_collectives(sharded))

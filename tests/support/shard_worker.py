@@ -247,7 +247,8 @@ def gathers(owner) -> dict:
 
 
 def loop_collectives(owner) -> dict:
-    """Per executable the block ran: per loop body, ``(all-gathers, reductions)`` in it."""
+    """Per executable the block ran: per loop body, ``(all-gathers, reductions, all-to-alls)``
+    in it (a per-rank stack moves a layer both ways by all-to-all: NOTE [Per-rank stacks])."""
     counts = {}
     for _, kind, compiled in pipeline.executables_run(owner):
         text = compiled.as_text()
@@ -259,7 +260,8 @@ def loop_collectives(owner) -> dict:
                 found.append((
                     len(re.findall(r"\ball-gather(?:-start)?\(", computation)),
                     len(re.findall(r"\b(?:all-reduce|reduce-scatter)(?:-start)?\(",
-                                   computation))))
+                                   computation)),
+                    len(re.findall(r"\ball-to-all(?:-start)?\(", computation))))
         counts[kind] = found
     return counts
 

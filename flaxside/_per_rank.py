@@ -1,0 +1,190 @@
+"""A stack over a mesh run per rank: each layer gathered and reduced with one all-to-all.
+
+NOTE [Per-rank stacks]. Over a mesh, ``remat_stack`` (``_stack_core.py``) can leave each
+layer's collectives to XLA's partitioner (NOTE [One collective per layer] in
+``_placement.py``: a packed all-gather per layer, and an all-reduce of each gradient where
+the op contracting the batch makes it, which the combiner merges into one tuple) or run the
+whole stack inside ``shard_map``, per rank, with its collectives written out. Per rank, a
+layer's shards are packed into one row and gathered by one ``all_to_all`` (every rank
+sends its row to every rank); its gradient, this rank's partial sum over its part of the
+batch, is packed rank by rank (``pack_by_rank``) and reduce-scattered by one
+``all_to_all`` and a local sum in the leaf's dtype: FSDP's reduce-scatter, moving half
+the bytes of an all-reduce on two ranks, in one collective where the partitioner's tuple
+all-reduce is one per gradient on gloo (the figures, from ``examples/bench/collectives.py``,
+are in docs/design.md "Sharded blocks").
+
+Per rank is the same computation only where a layer is: each rank's rows of the output
+depend on its own rows of the input alone, the same way on every rank. A layer that mixes
+the batch (a batch norm), or that reads where its rows lie in the global batch (random bits
+drawn for the global shape, which JAX's partitionable threefry computes per shard from the
+shard's offset; an iota over the batch), would compute something else per rank. So before
+the stack runs per rank, one layer is compiled as an SPMD program over the mesh (the carry
+sharded as the stack's, parameters and consts replicated), and per rank is taken only if
+that program holds no collective and never asks which partition it is: then every rank
+runs the same program on its own rows, which is what ``shard_map`` runs. Otherwise the
+partitioner's route stays (``plan`` returns ``None``), as it does for a leaf sharded on a
+layer axis or a carry leaf the mesh does not divide on its first dimension.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flaxside._pack import pack_by_rank, sharded_by_dtype, unpack_by_rank
+
+jtu = jax.tree_util
+
+# Ops in a compiled SPMD program that make it differ from one rank's program run alone.
+_RANK_AWARE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast|partition-id|replica-id)"
+                         r"(?:-start)?\(")
+
+
+class Plan(NamedTuple):
+    """How a stack runs per rank (NOTE [Per-rank stacks]).
+
+    Attributes:
+        mesh, axis: the mesh and its axis.
+        param_specs: per parameter leaf (the stack's layout axes first), its ``PartitionSpec``.
+        carry_specs: per carry leaf, sharded on its first dimension or replicated.
+        dims: per parameter leaf, the dimension of one layer's slice it is sharded on.
+        reads: per parameter leaf, the dtype the layer reads it in (``None``: its own).
+    """
+
+    mesh: jax.sharding.Mesh
+    axis: str
+    param_specs: list
+    carry_specs: list
+    dims: list
+    reads: list
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
+
+
+def plan(layer_fn: Callable, placement, found: list, sources: list, treedef, n_layout: int,
+         carry, consts) -> Plan | None:
+    """The per-rank plan for a stack over ``placement``'s mesh, or ``None``.
+
+    ``None`` keeps the partitioner's route, where per rank could compute something else
+    (NOTE [Per-rank stacks]).
+    ``found``: per parameter leaf its ``ProgramLeaf`` or ``None`` (replicated, or not one of
+    the program's leaves); ``sources``: the leaves the stack runs on, of ``treedef``.
+    """
+    if any(f is not None and f.dim is not None and f.dim < n_layout for f in found):
+        return None  # a leaf sharded on a layer axis: a layer lives on one rank
+    n, axis = placement.size, placement.axis
+    dims = [None if f is None or f.dim is None else f.dim - n_layout for f in found]
+    reads = [None if f is None else f.dtype for f in found]
+    param_specs = [P(*(axis if k == f.dim else None for k in range(np.ndim(x))))
+                   if d is not None else P() for x, f, d in zip(sources, found, dims, strict=True)]
+    carry_leaves = jtu.tree_leaves(carry)
+    carry_specs = [P(axis) if np.ndim(c) and c.shape[0] % n == 0 else P() for c in carry_leaves]
+    if not any(spec != P() for spec in carry_specs):
+        return None  # nothing is split over the ranks: per rank would repeat the whole batch
+    layer = jtu.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(x.shape[n_layout:], x.dtype if t is None else t)
+        for x, t in zip(sources, reads, strict=True)])
+    if not _rank_oblivious(layer_fn, placement.mesh, layer, carry, carry_specs, consts):
+        return None
+    return Plan(placement.mesh, axis, param_specs, carry_specs, dims, reads)
+
+
+def _rank_oblivious(layer_fn, mesh, layer, carry, carry_specs, consts) -> bool:
+    """Whether one layer runs the same program on every rank, on its own rows.
+
+    Compiled over ``mesh`` with the carry sharded as ``carry_specs``: no collective, no
+    partition id.
+    """
+    leaves, treedef = jtu.tree_flatten(carry)
+    shard = [NamedSharding(mesh, s) for s in carry_specs]
+    replicated = NamedSharding(mesh, P())
+
+    def one_layer(params, carry, consts):
+        return layer_fn(params, carry, consts, jnp.int32(0))
+
+    avals = (
+        jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                     layer),
+        jtu.tree_unflatten(treedef, [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=s)
+                                     for c, s in zip(leaves, shard, strict=True)]),
+        jtu.tree_map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=replicated),
+                     consts))
+    try:
+        compiled = jax.jit(one_layer, out_shardings=jtu.tree_unflatten(treedef, shard)) \
+            .lower(*avals).compile()
+    except Exception:  # noqa: BLE001 a probe: a layer that does not compile alone (it
+        return False   # closes over the enclosing trace) keeps the partitioner's route
+    return not _RANK_AWARE.search(compiled.as_text())
+
+
+def apply(stack: Callable, plan: Plan, params, carry, consts):
+    """``stack(params, carry, consts)`` run per rank inside ``shard_map``."""
+    p_leaves, p_tree = jtu.tree_flatten(params)
+    c_leaves, c_tree = jtu.tree_flatten(carry)
+    specs = (jtu.tree_unflatten(p_tree, plan.param_specs),
+             jtu.tree_unflatten(c_tree, plan.carry_specs), P())
+    per_rank = jax.shard_map(stack, mesh=plan.mesh, in_specs=specs,
+                             out_specs=specs[1], check_vma=False)
+    return per_rank(jtu.tree_unflatten(p_tree, p_leaves), carry, consts)
+
+
+def gathered(plan: Plan, local: list) -> list:
+    """One layer's parameters in full from this rank's shards: one all-to-all per dtype."""
+    n = plan.size
+    local = [a if t is None else a.astype(t) for a, t in zip(local, plan.reads, strict=True)]
+    out = list(local)
+    for group in sharded_by_dtype(local, plan.dims):
+        row = jnp.concatenate([jnp.moveaxis(local[k], plan.dims[k], 0).reshape(-1)
+                               for k in group])
+        # Every rank sends its row to every rank: row r of the result is rank r's.
+        rows = jax.lax.all_to_all(jnp.broadcast_to(row, (n, row.size)), plan.axis, 0, 0,
+                                  tiled=True)
+        shapes = [_global(local[k].shape, plan.dims[k], n) for k in group]
+        for k, part in zip(group, unpack_by_rank(rows, shapes, [plan.dims[k] for k in group],
+                                                 n), strict=True):
+            out[k] = part
+    return out
+
+
+def scattered(plan: Plan, grads: list, dtypes: list) -> list:
+    """This rank's shard of one layer's gradients, summed over the ranks, in ``dtypes``.
+
+    ``grads``: this rank's partial sums, full shapes. One all-to-all and a local sum per
+    dtype. Gradients of replicated leaves stay partial: ``shard_map``'s transpose sums them.
+    """
+    n = plan.size
+    out = list(grads)
+    for group in sharded_by_dtype(grads, plan.dims):
+        rows = pack_by_rank([grads[k] for k in group], [plan.dims[k] for k in group], n)
+        # Row r goes to rank r; rank r sums what every rank computed for its shard.
+        mine = jax.lax.all_to_all(rows, plan.axis, 0, 0, tiled=True)
+        mine = mine.astype(jnp.result_type(*(dtypes[k] for k in group))).sum(axis=0)
+        offset = 0
+        for k in group:
+            d = plan.dims[k]
+            shape = list(grads[k].shape)
+            shape[d] //= n
+            moved = (shape[d], *(s for j, s in enumerate(shape) if j != d))
+            size = int(np.prod(moved, dtype=np.int64))
+            part = mine[offset: offset + size].reshape(moved).astype(dtypes[k])
+            out[k] = jnp.moveaxis(part, 0, d)
+            offset += size
+    return [g if d is not None else g.astype(t)
+            for g, d, t in zip(out, plan.dims, dtypes, strict=True)]
+
+
+def _global(shape, d, n) -> tuple:
+    shape = list(shape)
+    shape[d] *= n
+    return tuple(shape)
+
