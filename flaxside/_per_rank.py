@@ -57,6 +57,8 @@ class Plan(NamedTuple):
         carry_specs: per carry leaf, sharded on its first dimension or replicated.
         dims: per parameter leaf, the dimension of one layer's slice it is sharded on.
         reads: per parameter leaf, the dtype the layer reads it in (``None``: its own).
+        reduces: per parameter leaf, the dtype its gradient is summed in (``None``: the
+            dtype it is computed in; NOTE [Mixed precision]).
     """
 
     mesh: jax.sharding.Mesh
@@ -65,6 +67,7 @@ class Plan(NamedTuple):
     carry_specs: list
     dims: list
     reads: list
+    reduces: list
 
     @property
     def size(self) -> int:
@@ -96,7 +99,8 @@ def plan(layer_fn: Callable, placement, found: list, sources: list, treedef, n_l
         for x, t in zip(sources, reads, strict=True)])
     if not _rank_oblivious(layer_fn, placement.mesh, layer, carry, carry_specs, consts):
         return None
-    return Plan(placement.mesh, axis, param_specs, carry_specs, dims, reads)
+    reduces = [None if f is None else f.reduce for f in found]
+    return Plan(placement.mesh, axis, param_specs, carry_specs, dims, reads, reduces)
 
 
 def _rank_oblivious(layer_fn, mesh, layer, carry, carry_specs, consts) -> bool:
@@ -159,28 +163,45 @@ def gathered(plan: Plan, local: list) -> list:
 def scattered(plan: Plan, grads: list, dtypes: list) -> list:
     """This rank's shard of one layer's gradients, summed over the ranks, in ``dtypes``.
 
-    ``grads``: this rank's partial sums, full shapes. One all-to-all and a local sum per
-    dtype. Gradients of replicated leaves stay partial: ``shard_map``'s transpose sums them.
+    ``grads``: this rank's partial sums, full shapes. Each is summed in its leaf's entry of
+    ``plan.reduces`` (else its own dtype): one all-to-all and a local sum per dtype, then
+    cast to its entry of ``dtypes``, as FSDP2 reduce-scatters in ``reduce_dtype`` and casts
+    to the parameter's. Gradients of replicated leaves stay partial: ``shard_map``'s
+    transpose sums them.
     """
     n = plan.size
-    out = list(grads)
-    for group in sharded_by_dtype(grads, plan.dims):
-        rows = pack_by_rank([grads[k] for k in group], [plan.dims[k] for k in group], n)
+    out = [g if r is None else g.astype(r) for g, r in zip(grads, plan.reduces, strict=True)]
+    for group in sharded_by_dtype(out, plan.dims):
+        rows = pack_by_rank([out[k] for k in group], [plan.dims[k] for k in group], n)
         # Row r goes to rank r; rank r sums what every rank computed for its shard.
-        mine = jax.lax.all_to_all(rows, plan.axis, 0, 0, tiled=True)
-        mine = mine.astype(jnp.result_type(*(dtypes[k] for k in group))).sum(axis=0)
+        mine = jax.lax.all_to_all(rows, plan.axis, 0, 0, tiled=True).sum(axis=0)
         offset = 0
         for k in group:
             d = plan.dims[k]
-            shape = list(grads[k].shape)
+            shape = list(out[k].shape)
             shape[d] //= n
             moved = (shape[d], *(s for j, s in enumerate(shape) if j != d))
             size = int(np.prod(moved, dtype=np.int64))
-            part = mine[offset: offset + size].reshape(moved).astype(dtypes[k])
-            out[k] = jnp.moveaxis(part, 0, d)
+            out[k] = jnp.moveaxis(mine[offset: offset + size].reshape(moved), 0, d)
             offset += size
-    return [g if d is not None else g.astype(t)
-            for g, d, t in zip(out, plan.dims, dtypes, strict=True)]
+    return [g.astype(t) for g, t in zip(out, dtypes, strict=True)]
+
+
+def refuse_unreduced(reduces: list) -> None:
+    """Raises if any leaf's gradient is left to be summed in another dtype.
+
+    ``reduces``: per leaf, that dtype, or ``None`` (a per-rank stack sums it, or none asked).
+    """
+    left = [k for k, r in enumerate(reduces) if r is not None]
+    if left:
+        raise ValueError(
+            f"A program over the mesh sums the gradients of leaves {left} over the ranks in "
+            f"{[str(jnp.dtype(reduces[k])) for k in left]} (FSDP2's reduce_dtype), but its "
+            "function reads them outside a flaxside.remat_stack that runs per rank, where "
+            "XLA's partitioner sums them in the dtype it computes them in. Leave "
+            "reduce_dtype None or equal to param_dtype, or build the repeated layers with "
+            "flaxside.remat_stack from a layer that computes the same on each rank's rows "
+            "(no batch statistics, no dropout): NOTE [Per-rank stacks].")
 
 
 def _global(shape, d, n) -> tuple:

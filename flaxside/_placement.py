@@ -63,9 +63,11 @@ reduction (``scattered``). Gradients are reduced in the compute dtype: XLA's par
 reduces each parameter's gradient where the op contracting the batch makes it (an
 all-reduce per parameter, in that op's dtype, bfloat16 for a Dense kernel; the CPU backend
 then combines them into one all-reduce per loop body). Per rank (NOTE [Per-rank
-stacks]) a layer's gradients cross in the compute dtype too and are summed in the leaf's.
-A reduction in another dtype (FSDP2's ``reduce_dtype``) would cast before that all-to-all;
-``torchside.shard`` refuses one until it is plumbed through.
+stacks]) a layer's gradients are summed in the dtype ``OnMesh.reduce`` names for the leaf
+(FSDP2's ``reduce_dtype``), cast before their all-to-all, else in the compute dtype, then
+cast to the leaf's dtype, as FSDP2 does; where the partitioner reduces, another dtype
+cannot be asked of it, so a program whose function reads such a leaf outside a per-rank
+stack is refused when traced.
 XLA's CPU backend widens bfloat16 collectives to float32 after partitioning
 (``float-normalization-bf16``, ``all-reduce-promotion``): on CPU the bytes moved stay
 float32's; GPU backends keep them.
@@ -87,6 +89,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxside._device import compiling_for
 from flaxside._pack import Alone, pack_by_rank, pack_plan, sharded_by_dtype, unpack_by_rank
+from flaxside._per_rank import refuse_unreduced
 from flaxside._specs import LeafSpec
 
 jtu = jax.tree_util
@@ -104,9 +107,11 @@ class ProgramLeaf(NamedTuple):
     source: Any
     dim: int | None
     dtype: Any
+    reduce: Any = None
 
 
-# While a program over a mesh is traced: (its OnMesh, {id(leaf as read): ProgramLeaf}).
+# While a program over a mesh is traced: (its OnMesh, {id(leaf as read): ProgramLeaf}, the
+# ids of the leaves a per-rank stack reduces: NOTE [Per-rank stacks]).
 _TRACING: contextvars.ContextVar = contextvars.ContextVar("flaxside_mesh_leaves",
                                                           default=None)
 
@@ -122,8 +127,16 @@ def program_leaves(arrays) -> tuple[OnMesh | None, list]:
     tracing = _TRACING.get()
     if tracing is None:
         return None, [None] * len(arrays)
-    placement, known = tracing
+    placement, known, _ = tracing
     return placement, [known.get(id(a)) for a in arrays]
+
+
+def reduced_per_rank(arrays) -> None:
+    """Tells the program being traced that a per-rank stack sums ``arrays``' gradients.
+
+    ``arrays``: its leaves as read; summed in the dtype ``OnMesh.reduce`` asks.
+    """
+    _TRACING.get()[2].update(id(a) for a in arrays)
 
 
 def local_spec(traced: LeafSpec, sharding) -> LeafSpec:
@@ -212,6 +225,10 @@ class OnMesh:
             process's own; every other leaf's gradient follows FSDP's mean).
         cast: per leaf, the dtype the function reads it in, or ``None`` (as passed);
             empty: none is cast (NOTE [Mixed precision]).
+        reduce: per leaf, the dtype its gradient is summed over the ranks in, or ``None``
+            (the dtype the function computes it in); empty: none. Only a per-rank stack
+            sums in another dtype; a program whose function reads such a leaf anywhere
+            else is refused when traced (NOTE [Mixed precision]).
     """
 
     mesh: jax.sharding.Mesh
@@ -219,6 +236,7 @@ class OnMesh:
     dims: tuple[int | None, ...]
     batch: tuple[bool, ...]
     cast: tuple = ()
+    reduce: tuple = ()
 
     @property
     def size(self) -> int:
@@ -238,17 +256,20 @@ class OnMesh:
         sharded or cast (NOTE [One collective per layer]).
         """
         casts = self.cast or (None,) * len(leaves)
-        read, known = [], {}
-        for x, d, dtype in zip(leaves, self.dims, casts, strict=True):
+        reduces = self.reduce or (None,) * len(leaves)
+        read, known, reduced = [], {}, set()
+        for x, d, dtype, r in zip(leaves, self.dims, casts, reduces, strict=True):
             cast = dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype)
             read.append(x.astype(dtype) if cast else x)
-            if d is not None or cast:
-                known[id(read[-1])] = ProgramLeaf(x, d, dtype if cast else None)
-        token = _TRACING.set((self, known))
+            if d is not None or cast or r is not None:
+                known[id(read[-1])] = ProgramLeaf(x, d, dtype if cast else None, r)
+        token = _TRACING.set((self, known, reduced))
         try:
             yield read
         finally:
             _TRACING.reset(token)
+        refuse_unreduced([r if id(x) not in reduced else None
+                          for x, r in zip(read, reduces, strict=True)])
 
     def gathered(self, arrays: list, dims: list, dtypes=None) -> list:
         """``arrays`` (one layer's, global shapes) replicated, sharded ones in one all-gather.

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flaxside import _per_rank as per_rank
-from flaxside._placement import program_leaves
+from flaxside._placement import program_leaves, reduced_per_rank
 from flaxside._specs import Learned
 from flaxside._vjp_leaves import label_leaves
 
@@ -70,6 +70,8 @@ def _layer_access(layer_fn, params, n_layout: int, carry, consts) -> tuple:
     plan = per_rank.plan(layer_fn, placement, found, sources, treedef, n_layout, carry,
                          consts)
     if plan is not None:
+        reduced_per_rank(leaves)
+
         def layer(flat, i):
             return jtu.tree_unflatten(treedef, per_rank.gathered(
                 plan, jtu.tree_leaves(_take(flat, i))))

@@ -23,10 +23,11 @@ leave the block's parameters out of an enclosing ``fully_shard`` (``ignored_para
 ``mp_policy`` is FSDP2's ``MixedPrecisionPolicy`` with FSDP2's meaning: the DTensor
 shards (and an optimizer's state of them) stay in their dtype; inside the program each
 floating parameter is read in ``param_dtype``, cast from the local shard before it is
-gathered, and its gradient arrives in the parameter's dtype. Gradients are reduced in
-``param_dtype``, where XLA's partitioner computes them (NOTE [Mixed precision] in
-``flaxside/_placement.py``): a ``reduce_dtype`` other than ``None`` or ``param_dtype`` is
-refused rather than ignored. A forward pre-hook casts floating inputs to ``param_dtype``
+gathered, and its gradient arrives in the parameter's dtype. Gradients are summed over the
+ranks in ``reduce_dtype`` (``None``: ``param_dtype``), which only a ``remat_stack`` run per
+rank can do (NOTE [Mixed precision] in ``flaxside/_placement.py``): a program that reads
+such a parameter elsewhere is refused at its first call rather than reduced in another
+dtype. A forward pre-hook casts floating inputs to ``param_dtype``
 (``cast_forward_inputs``) and a forward hook floating outputs to ``output_dtype``, as
 ``fully_shard``'s hooks do.
 
@@ -75,8 +76,9 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
             ``nnx.with_partitioning`` with logical names).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as ``fully_shard``
             takes it; dtypes ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or
-            ``None``, with ``reduce_dtype`` ``None`` or ``param_dtype`` (gradients are
-            reduced in the compute dtype).
+            ``None``. A ``reduce_dtype`` other than ``None`` or ``param_dtype`` needs the
+            parameters read only by ``flaxside.remat_stack`` layers run per rank; other
+            blocks refuse it at their first call.
 
     Returns:
         The module.
@@ -121,7 +123,7 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
     jax_mesh = jax.sharding.Mesh(np.array(devices), (axis,))
     size = mesh.size()
-    dims, casts, parameters = [], [], {}
+    dims, casts, reduces, parameters = [], [], [], {}
     for i, (t, is_param, flax_names) in enumerate(targets):
         dim = None
         if is_param and (t.is_floating_point() or t.is_complex()):
@@ -130,6 +132,10 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         # FSDP2 casts floating parameters of another dtype than param_dtype (_fsdp_param.py).
         casts.append(precision.param_dtype if is_param and t.is_floating_point()
                      and precision.param_dtype not in (None, t.dtype) else None)
+        # FSDP2's reduce_dtype: None, or the dtype the gradient is computed in, sums as is.
+        computed = casts[-1] or t.dtype
+        reduces.append(precision.reduce_dtype if is_param and t.is_floating_point()
+                       and precision.reduce_dtype not in (None, computed) else None)
         if not is_param:
             continue
         placements = [Replicate()] if dim is None else [Shard(dim)]
@@ -144,8 +150,9 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
             value = distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
         parameters[i] = torch.nn.Parameter(value, requires_grad=t.requires_grad)
     on_mesh = OnMesh(jax_mesh, axis, (), ())
-    module._shard_with(ShardPlan(mesh, on_mesh, tuple(dims), tuple(
-        None if c is None else bi.numpy_dtype(c) for c in casts)), parameters)
+    module._shard_with(ShardPlan(mesh, on_mesh, tuple(dims), *(tuple(
+        None if c is None else bi.numpy_dtype(c) for c in column)
+        for column in (casts, reduces))), parameters)
     if precision.param_dtype is not None and precision.cast_forward_inputs:
         module.register_forward_pre_hook(CastFloating(precision.param_dtype).inputs,
                                          with_kwargs=True)
@@ -158,6 +165,7 @@ class Precision(NamedTuple):
     """What ``shard`` reads of a ``MixedPrecisionPolicy`` (torch dtypes, or ``None``)."""
 
     param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
     output_dtype: torch.dtype | None
     cast_forward_inputs: bool
 
@@ -168,7 +176,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _precision(policy, where: str) -> Precision:
     """``policy`` checked field by field (before ``shard`` changes anything)."""
     if policy is None:
-        return Precision(None, None, False)
+        return Precision(None, None, None, False)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if not isinstance(policy, MixedPrecisionPolicy):
@@ -183,15 +191,8 @@ def _precision(policy, where: str) -> Precision:
         raise _errors.mp_policy_field(where, "cast_forward_inputs",
                                       policy.cast_forward_inputs, "True or False",
                                       "it says whether floating inputs are cast")
-    # As FSDP2's _fsdp_param.py: reduce_dtype equal to param_dtype casts nothing. Any other
-    # is refused: the partitioner reduces in the compute dtype (NOTE [Mixed precision]).
-    if policy.reduce_dtype not in (None, policy.param_dtype):
-        raise _errors.mp_policy_field(
-            where, "reduce_dtype", policy.reduce_dtype,
-            f"None or param_dtype ({policy.param_dtype})",
-            "gradients are reduced in the compute dtype, where XLA's partitioner computes "
-            "them; a reduction in another dtype is not built yet")
-    return Precision(policy.param_dtype, policy.output_dtype, policy.cast_forward_inputs)
+    return Precision(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
+                     policy.cast_forward_inputs)
 
 
 class CastFloating:
@@ -229,13 +230,17 @@ class ShardPlan:
         dims: per variable, the dimension sharded over the axis, or ``None``.
         casts: per variable, the dtype the program reads it in (``mp_policy``'s
             ``param_dtype``, as a numpy dtype), or ``None``.
+        reduces: per variable, the dtype its gradient is summed over the ranks in
+            (``mp_policy``'s ``reduce_dtype``, as a numpy dtype), or ``None``: as computed.
     """
 
-    __slots__ = ("mesh", "on_mesh", "dims", "casts")
+    __slots__ = ("mesh", "on_mesh", "dims", "casts", "reduces")
 
-    def __init__(self, mesh, on_mesh: OnMesh, dims: tuple, casts: tuple = ()):
+    def __init__(self, mesh, on_mesh: OnMesh, dims: tuple, casts: tuple = (),
+                 reduces: tuple = ()):
         self.mesh, self.on_mesh, self.dims = mesh, on_mesh, dims
         self.casts = casts or (None,) * len(dims)
+        self.reduces = reduces or (None,) * len(dims)
 
     def placement(self, layout, arg_ndims) -> OnMesh:
         """Where a call's programs run (``OnMesh``), per leaf of ``layout``.
@@ -247,8 +252,9 @@ class ShardPlan:
         dims = layout.of_leaves(self.dims, None, args)
         batch = layout.of_leaves([False] * len(self.dims), False, [d is not None for d in args])
         cast = layout.of_leaves(self.casts, None, [None] * len(args))
+        reduce = layout.of_leaves(self.reduces, None, [None] * len(args))
         return dataclasses.replace(self.on_mesh, dims=tuple(dims), batch=tuple(batch),
-                                   cast=tuple(cast))
+                                   cast=tuple(cast), reduce=tuple(reduce))
 
     def sharding(self, ndim: int, dim):
         """The JAX sharding of a variable of ``ndim`` dimensions sharded on ``dim``."""

@@ -54,7 +54,7 @@ def _programs(fn, leaves, batch_leaves: int, dims=None, **precision):
     """The program ``OnMesh`` (local specs) and on one device, and the leaves' dims.
 
     ``dims``: per variable leaf its sharded dimension (default: ``_fsdp_dim``'s).
-    ``precision``: ``OnMesh``'s ``cast`` (NOTE [Mixed precision]).
+    ``precision``: ``OnMesh``'s ``cast`` and ``reduce`` (NOTE [Mixed precision]).
     """
     mesh = Mesh(np.array(jax.devices()[:N]), ("s",))
     n_vars = len(leaves) - batch_leaves
@@ -237,20 +237,40 @@ def _partitioned(dump, program) -> dict:
 
 @pytest.mark.skipif("--xla_dump_to" not in os.environ.get("XLA_FLAGS", ""),
                     reason="test_mesh_collectives.py runs it with XLA's dump")
-def test_a_bfloat16_policy_gathers_each_layer_cast_in_one_collective():
+@pytest.mark.parametrize("reduce", [None, np.dtype(np.float32)], ids=["bf16-sum", "f32-sum"])
+def test_a_bfloat16_policy_gathers_each_layer_cast_in_one_collective(reduce):
     """``OnMesh(cast=bfloat16)`` on the parameters and the batch (as ``torchside.shard``'s
-    ``mp_policy`` reads them): per rank, each loop body's all-to-alls are of bfloat16 as
-    the partitioner emits them (the gather cast before it, the gradient reduced in the
-    compute dtype and summed in the leaf's), at most one per direction.
+    ``mp_policy`` reads them): per rank, each loop body's all-to-alls as the partitioner
+    emits them, at most one per direction: the gather of bfloat16 (cast before it), the
+    gradient's in the dtype it is summed in, bfloat16 as computed or float32 where
+    ``OnMesh.reduce`` asks (FSDP2's ``reduce_dtype``).
 
     The CPU backend then promotes bfloat16 collectives to float32 (NOTE [Mixed precision]).
     """
     fn, leaves = _linen(16, (2, 4))
+    n_vars = len(leaves) - 1
     cast = (np.dtype(jnp.bfloat16),) * len(leaves)
-    sharded, _, _, _, _, _ = _programs(fn, leaves, 1, cast=cast)
+    more = {} if reduce is None else {"reduce": (reduce,) * n_vars + (None,)}
+    sharded, _, _, _, _, _ = _programs(fn, leaves, 1, cast=cast, **more)
     dump = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0])
     counts = _partitioned(dump, sharded)
-    for kind, bodies in counts.items():
-        types = {t for ops in bodies for t, _ in ops}
-        assert types == {"bf16"}, (kind, bodies)
+    assert {t for ops in counts["forward_with_residuals"] for t, _ in ops} == {"bf16"}, counts
+    # The backward's bodies: the segment's gather, and the VJP's gather and reduction.
+    want = [["bf16"], ["bf16", "bf16" if reduce is None else "f32"]]
+    assert sorted(sorted(t for t, _ in ops) for ops in counts["backward"] if ops) == sorted(
+        sorted(w) for w in want), counts
     _per_rank(_loop_collectives(sharded))
+
+
+def test_a_sum_in_another_dtype_is_refused_where_the_partitioner_reduces():
+    """``OnMesh.reduce`` on a layer that keeps the partitioner's route (a batch mean): the
+    partitioner sums in the compute dtype, so the program refuses to trace."""
+    stack = flaxside.remat_stack(BatchCentered, 4, lengths=(2, 2), width=16)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, 16)), jnp.float32)
+    leaves, treedef = jtu.tree_flatten(stack.init(jax.random.key(0), x))
+    _, args = jtu.tree_flatten(((x,), {}))
+    fn = flat_apply(lambda v, *a: (stack.apply(v, *a), [], None), treedef, args, (ARRAY,))
+    n = len(leaves)
+    with pytest.raises(ValueError, match=r"reduce_dtype.*flaxside\.remat_stack that runs per"):
+        _programs(fn, [*leaves, x], 1, cast=(np.dtype(jnp.bfloat16),) * (n + 1),
+                  reduce=(np.dtype(np.float32),) * n + (None,))  # traced where it is built
