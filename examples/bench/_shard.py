@@ -10,9 +10,10 @@ unsharded under FSDP2's ``fully_shard`` as one unit: each rank gathers and holds
 layer for the step) and ``pure JAX SPMD`` (the Flax block on the JAX distributed runtime
 ``shard`` brought up, parameters sharded on the dimensions ``shard`` chose, one jitted step
 of ``value_and_grad`` and ``optax.adamw``, parameters and state donated). Two more in
-bfloat16, with FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` on both
-sides: ``sharded remat_stack bf16`` (``shard(..., mp_policy=...)``) and ``fully_shard whole
-bf16``. The torch contestants use ``torch.optim.AdamW``.
+bfloat16, with FSDP2's usual ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`` on both sides (compute in bfloat16, gradients summed over the
+ranks in float32): ``sharded remat_stack bf16`` (``shard(..., mp_policy=...)``) and
+``fully_shard whole bf16``. The torch contestants use ``torch.optim.AdamW``.
 
 A step: forward on the rank's half of the batch, MSE loss, backward, update. Each contestant
 first runs two checked steps: the global losses of step 1 (the forward, same weights) and
@@ -132,7 +133,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     sharded.to_empty(device="cpu")
     sharded.reset_parameters()  # each rank computes its own shards
     initial = {n: p.full_tensor() for n, p in sharded.named_parameters()}
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def build_stacked(mp_policy=None):
         with torch.device("meta"):  # the same parameters (names, shapes), the same function
