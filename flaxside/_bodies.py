@@ -57,13 +57,14 @@ class Structure:
 class TracedBodies:
     """The bodies ``Program`` lowers, one per program kind, and the hooks they share."""
 
-    def _results(self, leaves) -> tuple[list, Structure]:
+    def _results(self, leaves, unreduced=None) -> tuple[list, Structure]:
         """``fn`` on the leaves: results (outputs then aux, never aliasing an input).
 
         Traced at the precision the program was built with (NOTE [Precision of a
         program]): every body, derived ones included, computes what the first computed.
+        ``unreduced``: as ``OnMesh.tracing`` takes it (the first trace checks it).
         """
-        with (self.placement.tracing(list(leaves)) as read,  # NOTE [Mixed precision]
+        with (self.placement.tracing(list(leaves), unreduced) as read,  # NOTE [Mixed precision]
               jax.default_matmul_precision(self.precision)):
             out, aux, write_back = self.fn(read)
         out_leaves, out_treedef = jtu.tree_flatten(out)

@@ -1,6 +1,8 @@
-"""Which inputs of a jaxpr each output depends on (gradients, unused outputs and inputs)."""
+"""What a jaxpr's outputs depend on, and whether two traces of a function are one program."""
 
 from __future__ import annotations
+
+import numpy as np
 
 try:  # jax >= 0.4.36
     from jax.extend.core import Var
@@ -56,3 +58,80 @@ def linear_in_cotangent(jaxpr) -> bool:
                 if hasattr(sub, "eqns") and not linear_in_cotangent(sub):
                     return False
     return True
+
+
+def same_up_to_batch(big, small, n: int) -> bool:
+    """Whether two traces of one function are one program, ``big``'s batch ``n`` times larger.
+
+    Equations, parameters and literals equal, shapes equal but for a first dimension ``n``
+    times as large.
+
+    Tells a function that only carries its batch through (a layer run per rank on its
+    rows computes what it computes on the whole batch) from one whose Python code reads the
+    batch's size (``x * 8 / x.shape[0]``, a reshape into a fixed number of groups). A
+    difference anywhere else, even a harmless one, answers ``False``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> t = lambda f, b: jax.make_jaxpr(f)(jnp.zeros((b, 3))).jaxpr
+        >>> same_up_to_batch(t(jnp.tanh, 8), t(jnp.tanh, 4), 2)
+        True
+        >>> same_up_to_batch(t(lambda x: x / x.shape[0], 8), t(lambda x: x / x.shape[0], 4), 2)
+        False
+    """
+    def shapes(a, b) -> bool:
+        return len(a) == len(b) and all(
+            x == y or (k == 0 and isinstance(x, int) and x == n * y)
+            for k, (x, y) in enumerate(zip(a, b, strict=True)))
+
+    def values(a, b) -> bool:
+        if isinstance(a, Var) != isinstance(b, Var):
+            return False
+        if not isinstance(a, Var) and not np.array_equal(np.asarray(a.val), np.asarray(b.val)):
+            return False
+        ta, tb = a.aval, b.aval
+        return (getattr(ta, "dtype", None) == getattr(tb, "dtype", None)
+                and shapes(tuple(getattr(ta, "shape", ())), tuple(getattr(tb, "shape", ()))))
+
+    def params(a, b) -> bool:
+        if hasattr(a, "jaxpr") and hasattr(a, "consts"):  # a ClosedJaxpr
+            return (hasattr(b, "jaxpr") and programs(a.jaxpr, b.jaxpr)
+                    and len(a.consts) == len(b.consts)
+                    and all(np.array_equal(x, y) for x, y in zip(a.consts, b.consts,
+                                                                   strict=True)))
+        if hasattr(a, "eqns"):
+            return hasattr(b, "eqns") and programs(a, b)
+        if isinstance(a, tuple | list):
+            if all(isinstance(x, int) for x in a) and all(isinstance(y, int) for y in b):
+                return type(a) is type(b) and shapes(tuple(a), tuple(b))
+            return (type(a) is type(b) and len(a) == len(b)
+                    and all(params(x, y) for x, y in zip(a, b, strict=True)))
+        if isinstance(a, np.ndarray):
+            return isinstance(b, np.ndarray) and np.array_equal(a, b)
+        if callable(a) and callable(b):  # a rule (a custom JVP's): its jaxpr is compared
+            return True
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 a parameter that does not compare: not the same
+            return False
+
+    def programs(a, b) -> bool:
+        if (len(a.eqns), len(a.invars), len(a.outvars)) != (
+                len(b.eqns), len(b.invars), len(b.outvars)):
+            return False
+        if not all(values(x, y) for x, y in zip(a.invars + a.outvars, b.invars + b.outvars,
+                                                 strict=True)):
+            return False
+        for ea, eb in zip(a.eqns, b.eqns, strict=True):
+            if (ea.primitive is not eb.primitive or ea.params.keys() != eb.params.keys()
+                    or len(ea.invars) != len(eb.invars) or len(ea.outvars) != len(eb.outvars)):
+                return False
+            if not all(values(x, y) for x, y in zip(ea.invars + ea.outvars,
+                                                     eb.invars + eb.outvars, strict=True)):
+                return False
+            if not all(params(ea.params[k], eb.params[k]) for k in ea.params):
+                return False
+        return True
+
+    return programs(big, small)
+

@@ -17,13 +17,23 @@ Per rank is the same computation only where a layer is: each rank's rows of the 
 depend on its own rows of the input alone, the same way on every rank. A layer that mixes
 the batch (a batch norm), or that reads where its rows lie in the global batch (random bits
 drawn for the global shape, which JAX's partitionable threefry computes per shard from the
-shard's offset; an iota over the batch), would compute something else per rank. So before
-the stack runs per rank, one layer is compiled as an SPMD program over the mesh (the carry
-sharded as the stack's, parameters and consts replicated), and per rank is taken only if
-that program holds no collective and never asks which partition it is: then every rank
-runs the same program on its own rows, which is what ``shard_map`` runs. Otherwise the
-partitioner's route stays (``plan`` returns ``None``), as it does for a leaf sharded on a
-layer axis or a carry leaf the mesh does not divide on its first dimension.
+shard's offset; an iota over the batch), or whose Python code reads the batch's size (a
+scale by it, a reshape into a fixed number of groups), would compute something else per
+rank. So before the stack runs per rank, one layer (its index abstract, as in the loop) is
+compiled as an SPMD program over the mesh (the carry sharded as the stack's, parameters
+and consts replicated) and traced again on one rank's rows; per rank is taken only if that
+program holds no collective and never asks which partition it is, and the trace on one
+rank's rows is the same program but for the batch's size (``same_up_to_batch``): then
+every rank runs, on its own rows, what the partitioner would have run, which is what
+``shard_map`` runs. Otherwise the partitioner's route stays (``plan`` returns ``None``), as
+it does for a leaf sharded on a layer axis or a carry leaf the mesh does not divide on its
+first dimension.
+
+Only a per-rank stack sums a gradient in another dtype than it is computed in (FSDP2's
+``reduce_dtype``, ``OnMesh.reduce``): a program whose function reads such a leaf anywhere
+else, and asks for its gradient, is refused where it is built (``OnMesh.check_reduced``,
+``read_outside``). A replicated leaf's gradient is summed by ``shard_map``'s transpose,
+in the leaf's own dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from flaxside._depends import Var, same_up_to_batch
 from flaxside._pack import pack_by_rank, sharded_by_dtype, unpack_by_rank
 
 jtu = jax.tree_util
@@ -106,28 +117,40 @@ def plan(layer_fn: Callable, placement, found: list, sources: list, treedef, n_l
 def _rank_oblivious(layer_fn, mesh, layer, carry, carry_specs, consts) -> bool:
     """Whether one layer runs the same program on every rank, on its own rows.
 
-    Compiled over ``mesh`` with the carry sharded as ``carry_specs``: no collective, no
-    partition id.
+    Compiled over ``mesh`` with the carry sharded as ``carry_specs`` (its layer index
+    abstract, as in the stack): no collective, no partition id. And traced on one rank's
+    rows, the same program as on the whole batch (``same_up_to_batch``): Python code
+    reading the batch's size would compute something else per rank.
     """
+    n = mesh.size
     leaves, treedef = jtu.tree_flatten(carry)
     shard = [NamedSharding(mesh, s) for s in carry_specs]
     replicated = NamedSharding(mesh, P())
 
-    def one_layer(params, carry, consts):
-        return layer_fn(params, carry, consts, jnp.int32(0))
+    def aval(x, sharding=replicated, shape=None):
+        return jax.ShapeDtypeStruct(np.shape(x) if shape is None else shape,
+                                    getattr(x, "dtype", None) or jnp.result_type(x),
+                                    sharding=sharding)
 
-    avals = (
-        jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                     layer),
-        jtu.tree_unflatten(treedef, [jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=s)
-                                     for c, s in zip(leaves, shard, strict=True)]),
-        jtu.tree_map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=replicated),
-                     consts))
+    def local(c, spec):
+        return (c.shape[0] // n, *c.shape[1:]) if spec != P() else np.shape(c)
+
     try:
-        compiled = jax.jit(one_layer, out_shardings=jtu.tree_unflatten(treedef, shard)) \
-            .lower(*avals).compile()
-    except Exception:  # noqa: BLE001 a probe: a layer that does not compile alone (it
-        return False   # closes over the enclosing trace) keeps the partitioner's route
+        params, consts = jtu.tree_map(aval, layer), jtu.tree_map(aval, consts)
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        whole = jtu.tree_unflatten(treedef, [aval(c, s) for c, s in zip(leaves, shard,
+                                                                          strict=True)])
+        rows = jtu.tree_unflatten(treedef, [
+            aval(c, replicated, local(c, spec)) for c, spec in zip(leaves, carry_specs,
+                                                                    strict=True)])
+        if not same_up_to_batch(jax.make_jaxpr(layer_fn)(params, whole, consts, index).jaxpr,
+                                jax.make_jaxpr(layer_fn)(params, rows, consts, index).jaxpr,
+                                n):
+            return False
+        compiled = jax.jit(layer_fn, out_shardings=jtu.tree_unflatten(treedef, shard)) \
+            .lower(params, whole, consts, index).compile()
+    except Exception:  # noqa: BLE001 a probe: a layer that does not trace or compile
+        return False   # alone (it closes over the enclosing trace) keeps the partitioner's
     return not _RANK_AWARE.search(compiled.as_text())
 
 
@@ -143,7 +166,11 @@ def apply(stack: Callable, plan: Plan, params, carry, consts):
 
 
 def gathered(plan: Plan, local: list) -> list:
-    """One layer's parameters in full from this rank's shards: one all-to-all per dtype."""
+    """One layer's parameters in full from this rank's shards: one all-to-all per dtype.
+
+    Its send buffer (this rank's row once per rank) is one more layer's bytes while the
+    all-to-all runs: with the gathered layer, the two layers a step may hold.
+    """
     n = plan.size
     local = [a if t is None else a.astype(t) for a, t in zip(local, plan.reads, strict=True)]
     out = list(local)
@@ -185,6 +212,26 @@ def scattered(plan: Plan, grads: list, dtypes: list) -> list:
             out[k] = jnp.moveaxis(mine[offset: offset + size].reshape(moved), 0, d)
             offset += size
     return [g.astype(t) for g, t in zip(out, dtypes, strict=True)]
+
+
+def read_outside(jaxpr, k: int) -> bool:
+    """Whether ``jaxpr`` (a program's function) reads its input ``k`` but by per-rank stacks.
+
+    A per-rank stack reads the input itself, by ``shard_map``; its cast (the leaf as the
+    function reads it, ``OnMesh.tracing``) is read by nothing.
+    """
+    source = jaxpr.invars[k]
+    reads = {source}
+    for eqn in jaxpr.eqns:
+        uses = [v for v in eqn.invars if isinstance(v, Var) and v in reads]
+        if not uses:
+            continue
+        name = eqn.primitive.name
+        if name == "convert_element_type" and eqn.invars[0] is source:
+            reads.add(eqn.outvars[0])
+        elif name != "shard_map" or any(v is not source for v in uses):
+            return True
+    return any(v in reads for v in jaxpr.outvars if isinstance(v, Var))
 
 
 def refuse_unreduced(reduces: list) -> None:

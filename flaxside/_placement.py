@@ -76,10 +76,8 @@ float32's; GPU backends keep them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,55 +86,12 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxside._device import compiling_for
+from flaxside._mesh_leaves import TRACING, ProgramLeaf
 from flaxside._pack import Alone, pack_by_rank, pack_plan, sharded_by_dtype, unpack_by_rank
-from flaxside._per_rank import refuse_unreduced
+from flaxside._per_rank import read_outside, refuse_unreduced
 from flaxside._specs import LeafSpec
 
 jtu = jax.tree_util
-
-
-class ProgramLeaf(NamedTuple):
-    """One of a mesh program's leaves, as code traced inside the program meets it.
-
-    Attributes:
-        source: the leaf as the program received it (a parameter's float32 shards).
-        dim: the dimension it is sharded on over the mesh's axis, or ``None``.
-        dtype: the dtype the function reads it in (``None``: the source's).
-    """
-
-    source: Any
-    dim: int | None
-    dtype: Any
-    reduce: Any = None
-
-
-# While a program over a mesh is traced: (its OnMesh, {id(leaf as read): ProgramLeaf}, the
-# ids of the leaves a per-rank stack reduces: NOTE [Per-rank stacks]).
-_TRACING: contextvars.ContextVar = contextvars.ContextVar("flaxside_mesh_leaves",
-                                                          default=None)
-
-
-def program_leaves(arrays) -> tuple[OnMesh | None, list]:
-    """``(placement, found)`` for ``arrays`` traced inside a program over a mesh.
-
-    ``found``: per array, its ``ProgramLeaf`` if it is one of the program's leaves as the
-    function reads them (by identity) and is sharded or cast, else ``None``;
-    ``placement`` is the program's ``OnMesh``, or ``None`` outside such a trace (NOTE
-    [One collective per layer], NOTE [Mixed precision]).
-    """
-    tracing = _TRACING.get()
-    if tracing is None:
-        return None, [None] * len(arrays)
-    placement, known, _ = tracing
-    return placement, [known.get(id(a)) for a in arrays]
-
-
-def reduced_per_rank(arrays) -> None:
-    """Tells the program being traced that a per-rank stack sums ``arrays``' gradients.
-
-    ``arrays``: its leaves as read; summed in the dtype ``OnMesh.reduce`` asks.
-    """
-    _TRACING.get()[2].update(id(a) for a in arrays)
 
 
 def local_spec(traced: LeafSpec, sharding) -> LeafSpec:
@@ -171,9 +126,12 @@ class OnDevice:
         """Traces and lowerings inside it are for this device (``_device.py``)."""
         return compiling_for(self.device)
 
-    def tracing(self, leaves):
+    def tracing(self, leaves, unreduced=None):
         """While the program's function is traced: the leaves it is called on, as given."""
         return contextlib.nullcontext(leaves)
+
+    def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
+        """Nothing to check: no leaf is summed over ranks (``OnMesh.check_reduced``)."""
 
     def leaf_dims(self, n: int) -> tuple:
         """Per leaf, the dimension sharded over the mesh: none here."""
@@ -248,12 +206,14 @@ class OnMesh:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def tracing(self, leaves: list):
+    def tracing(self, leaves: list, unreduced: list | None = None):
         """While the function is traced: the leaves to call it on, and what each one is.
 
         Yields ``leaves`` with each leaf that ``cast`` names a dtype for replaced by its
         cast (NOTE [Mixed precision]); inside, ``program_leaves`` tells which of those are
-        sharded or cast (NOTE [One collective per layer]).
+        sharded or cast (NOTE [One collective per layer]). After, ``unreduced`` (if given)
+        gets the index of each leaf ``reduce`` names a dtype for that no per-rank stack
+        took (``check_reduced``).
         """
         casts = self.cast or (None,) * len(leaves)
         reduces = self.reduce or (None,) * len(leaves)
@@ -263,13 +223,27 @@ class OnMesh:
             read.append(x.astype(dtype) if cast else x)
             if d is not None or cast or r is not None:
                 known[id(read[-1])] = ProgramLeaf(x, d, dtype if cast else None, r)
-        token = _TRACING.set((self, known, reduced))
+        token = TRACING.set((self, known, reduced))
         try:
             yield read
         finally:
-            _TRACING.reset(token)
-        refuse_unreduced([r if id(x) not in reduced else None
-                          for x, r in zip(read, reduces, strict=True)])
+            TRACING.reset(token)
+        if unreduced is not None:
+            unreduced.extend(k for k, (x, r) in enumerate(zip(read, reduces, strict=True))
+                             if r is not None and id(x) not in reduced)
+
+    def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
+        """Refuses a program that cannot sum a leaf's gradient in the dtype ``reduce`` asks.
+
+        ``jaxpr``: the program's function traced (``tracing`` around it), ``unreduced`` what
+        ``tracing`` reported, ``wanted``: per leaf, whether its gradient is asked for and
+        some result reads it. Such a leaf must be read by per-rank stacks only (NOTE
+        [Per-rank stacks]); anywhere else XLA's partitioner sums in the compute dtype.
+        """
+        reduces = self.reduce or (None,) * len(wanted)
+        refuse_unreduced([
+            r if r is not None and w and (k in unreduced or read_outside(jaxpr, k)) else None
+            for k, (r, w) in enumerate(zip(reduces, wanted, strict=True))])
 
     def gathered(self, arrays: list, dims: list, dtypes=None) -> list:
         """``arrays`` (one layer's, global shapes) replicated, sharded ones in one all-gather.

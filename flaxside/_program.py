@@ -131,8 +131,10 @@ class Program(TracedBodies):
         self.trace_count = 0
         self._lock = threading.RLock()  # compiling the backward asks for the residual map
 
+        unreduced: list = []  # NOTE [Mixed precision]: leaves no per-rank stack summed
+
         def abstract(leaves):
-            results, structure = self._results(leaves)
+            results, structure = self._results(leaves, unreduced)
             return results, Learned(structure)
 
         with placement.compiling():  # code traced inside may compile for the device
@@ -166,6 +168,8 @@ class Program(TracedBodies):
         for m in masks:
             used |= m
         self.reads = tuple(bool(used >> i & 1) for i in range(len(self.specs)))
+        placement.check_reduced(closed.jaxpr, unreduced, [
+            s.diff and r for s, r in zip(self.specs, self.reads, strict=True)])
         self.out_reads = tuple(masks)  # per result, a bitmask of the leaves it depends on
         self.grad_reach = tuple(
             sum(1 << p for p, i in enumerate(self.diff_index) if masks[k] >> i & 1)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flaxside import _per_rank as per_rank
-from flaxside._placement import program_leaves, reduced_per_rank
+from flaxside._mesh_leaves import program_leaves, reduced_per_rank
 from flaxside._specs import Learned
 from flaxside._vjp_leaves import label_leaves
 

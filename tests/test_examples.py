@@ -18,6 +18,7 @@ EXAMPLES = ROOT / "examples"
 TINY_ARGS = {
     "quickstart.py": ["--steps", "5"],
     "bench/call_costs.py": ["--tensors", "16", "--repeats", "2"],
+    "bench/collectives.py": [],  # one layer's collectives, 2 gloo processes: seconds
     "gpu_check.py": [],
     "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4",
                        "--rounds", "1"],  # without a GPU it says so and exits 0
@@ -152,6 +153,14 @@ def _check_pinn(done, out) -> None:
     assert (out / "pinn.png").exists()
 
 
+def _check_collectives(done, out) -> None:
+    """Every way of moving a layer was timed, twice."""
+    rows = re.findall(r"^  (\S.*?\S) +(\d+\.\d+) +(\d+\.\d+)$", done.stdout, re.M)
+    assert [name for name, _, _ in rows] == [
+        "no collective", "tuple all-reduce", "packed all-reduce", "packed reduce-scatter",
+        "all-to-all + sum", "all-gather", "all-to-all gather"], done.stdout
+
+
 def _check_train_sharded(done, out) -> None:
     """Both ranks hold at most half the block plus one layer, the loss is printed per
     step, and the DCP checkpoint reloads into a model that computes the same."""
@@ -175,11 +184,12 @@ CHECKS = {
     "exit_aborts.py": _check_exit_aborts,
     "pinn.py": _check_pinn,
     "train_sharded.py": _check_train_sharded,
+    "bench/collectives.py": _check_collectives,
 }
 
 
 # Examples that start ranks over gloo (torchrun's, the benchmark's sharded part).
-PROCESSES = {"train_sharded.py", "bench/benchmark.py"}
+PROCESSES = {"train_sharded.py", "bench/benchmark.py", "bench/collectives.py"}
 
 
 @pytest.mark.slow

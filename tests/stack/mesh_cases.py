@@ -50,10 +50,11 @@ def _fsdp_dim(shape):
     return None
 
 
-def _programs(fn, leaves, batch_leaves: int, dims=None, **precision):
+def _programs(fn, leaves, batch_leaves: int, dims=None, diff=None, **precision):
     """The program ``OnMesh`` (local specs) and on one device, and the leaves' dims.
 
     ``dims``: per variable leaf its sharded dimension (default: ``_fsdp_dim``'s).
+    ``diff``: per leaf, whether its gradient is asked for (default: every leaf's).
     ``precision``: ``OnMesh``'s ``cast`` and ``reduce`` (NOTE [Mixed precision]).
     """
     mesh = Mesh(np.array(jax.devices()[:N]), ("s",))
@@ -63,13 +64,15 @@ def _programs(fn, leaves, batch_leaves: int, dims=None, **precision):
     dims = tuple(dims) + (0,) * batch_leaves
     batch = (False,) * n_vars + (True,) * batch_leaves
 
-    def local(x, d):
+    diff = (True,) * len(leaves) if diff is None else diff
+
+    def local(x, d, g):
         shape = list(x.shape)
         if d is not None:
             shape[d] //= N
-        return LeafSpec(tuple(shape), np.dtype(x.dtype), True)
+        return LeafSpec(tuple(shape), np.dtype(x.dtype), g)
 
-    sharded = Program(fn, [local(x, d) for x, d in zip(leaves, dims, strict=True)],
+    sharded = Program(fn, [local(x, d, g) for x, d, g in zip(leaves, dims, diff, strict=True)],
                       placement=OnMesh(mesh, "s", dims, batch, **precision))
     whole = Program(fn, [LeafSpec(x.shape, np.dtype(x.dtype), True) for x in leaves])
     placed = [jax.device_put(x, NamedSharding(mesh, P(*[("s" if k == d else None)
@@ -215,6 +218,74 @@ def test_a_parameter_sharded_on_a_layer_axis_is_left_to_xla():
     # One packed gather per loop body, and XLA's own moves of the layer-sharded leaf.
     assert all(ops.count("all-gather") <= 2 for bodies in counts.values() for ops in bodies)
     assert any(ops.count("all-gather") == 1 for bodies in counts.values() for ops in bodies)
+
+
+def _tanh(p, c):
+    return jnp.tanh(c @ p)
+
+
+LAYERS = {  # stack_apply layers a per-rank run would compute otherwise
+    "batch-size": lambda p, c, k, i: _tanh(p, c) * (8.0 / c.shape[0]),
+    "index": lambda p, c, k, i: jnp.where(i % 2 == 1, _tanh(p, c) - _tanh(p, c).mean(0),
+                                          _tanh(p, c)),
+    "groups": lambda p, c, k, i: (lambda g: (g - g.mean(1, keepdims=True)).reshape(c.shape))(
+        _tanh(p, c).reshape(2, -1, c.shape[-1])),
+}
+
+
+def _functional(layer, consts=()):
+    """A ``flaxside.stack_apply`` of ``layer`` over 4 layers of (16, 16) weights, on 8 rows."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((4, 16, 16)) / 4, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4 * N, 16)), jnp.float32)
+
+    def fn(ls):
+        return flaxside.stack_apply(layer, ls[0], ls[1], consts, lengths=(2, 2),
+                                    layout=(4,)), [], None
+
+    return fn, [w, x]
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_layer_that_reads_the_batch_size_or_its_index_keeps_the_partitioners_route(name):
+    """Python code that reads the batch's size (a scale, a fixed number of groups), or a
+    batch mean behind the layer index (which a probe at index 0 alone would miss): the
+    partitioner's route, and its results (the per-rank route computes others)."""
+    counts = _check(*_functional(LAYERS[name]))
+    for kind, bodies in counts.items():
+        assert any("all-gather" in ops for ops in bodies), (kind, bodies)
+        assert not any("all-to-all" in ops for ops in bodies), (kind, bodies)
+
+
+def test_a_python_scalar_among_the_consts_runs_per_rank():
+    _per_rank(_check(*_functional(lambda p, c, k, i: _tanh(p, c) * k, consts=0.5)))
+
+
+def test_a_sum_in_another_dtype_is_refused_only_where_a_gradient_is_summed_elsewhere():
+    """``OnMesh.reduce`` on a stacked leaf: refused where the leaf is also read outside its
+    per-rank stack (the partitioner would sum that part in bfloat16); taken where the
+    gradient is not asked for, or where the leaf is not read at all."""
+    bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+
+    def stacked(ls):
+        return flaxside.stack_apply(lambda p, c, k, i: _tanh(p, c), ls[0], ls[1],
+                                    lengths=(2, 2), layout=(4,)), [], None
+
+    def also_outside(ls):
+        y, _, _ = stacked(ls)
+        return y + ls[1] @ ls[0][0], [], None
+
+    def unread(ls):
+        return jnp.tanh(ls[1]), [], None
+
+    _, leaves = _functional(None)
+    precision = {"cast": (bf16, bf16), "reduce": (f32, None)}
+    with pytest.raises(ValueError, match=r"leaves \[0\].*reduce_dtype"):
+        _programs(also_outside, leaves, 1, **precision)
+    _programs(also_outside, leaves, 1, diff=(False, True), **precision)  # no gradient asked
+    _programs(unread, leaves, 1, **precision)  # nothing reads it
+    sharded, _, _, _, _, _ = _programs(stacked, leaves, 1, **precision)  # per rank
+    _per_rank(_loop_collectives(sharded))
 
 
 # -- mixed precision (NOTE [Mixed precision] in flaxside/_placement.py) ----------------------
