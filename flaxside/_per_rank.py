@@ -128,8 +128,8 @@ def _rank_oblivious(layer_fn, mesh, layer, carry, carry_specs, consts) -> bool:
     replicated = NamedSharding(mesh, P())
 
     def aval(x, sharding=replicated, shape=None):
-        return jax.ShapeDtypeStruct(np.shape(x) if shape is None else shape,
-                                    getattr(x, "dtype", None) or jnp.result_type(x),
+        dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)  # a Python scalar
+        return jax.ShapeDtypeStruct(np.shape(x) if shape is None else shape, dtype,
                                     sharding=sharding)
 
     def local(c, spec):
