@@ -175,14 +175,13 @@ def gathered(plan: Plan, local: list) -> list:
     local = [a if t is None else a.astype(t) for a, t in zip(local, plan.reads, strict=True)]
     out = list(local)
     for group in sharded_by_dtype(local, plan.dims):
-        row = jnp.concatenate([jnp.moveaxis(local[k], plan.dims[k], 0).reshape(-1)
-                               for k in group])
+        dims = [plan.dims[k] for k in group]
+        row = pack_by_rank([local[k] for k in group], dims, 1)[0]  # this rank's shards
         # Every rank sends its row to every rank: row r of the result is rank r's.
         rows = jax.lax.all_to_all(jnp.broadcast_to(row, (n, row.size)), plan.axis, 0, 0,
                                   tiled=True)
         shapes = [_global(local[k].shape, plan.dims[k], n) for k in group]
-        for k, part in zip(group, unpack_by_rank(rows, shapes, [plan.dims[k] for k in group],
-                                                 n), strict=True):
+        for k, part in zip(group, unpack_by_rank(rows, shapes, dims, n), strict=True):
             out[k] = part
     return out
 
@@ -199,18 +198,13 @@ def scattered(plan: Plan, grads: list, dtypes: list) -> list:
     n = plan.size
     out = [g if r is None else g.astype(r) for g, r in zip(grads, plan.reduces, strict=True)]
     for group in sharded_by_dtype(out, plan.dims):
-        rows = pack_by_rank([out[k] for k in group], [plan.dims[k] for k in group], n)
+        dims = [plan.dims[k] for k in group]
+        rows = pack_by_rank([out[k] for k in group], dims, n)
         # Row r goes to rank r; rank r sums what every rank computed for its shard.
         mine = jax.lax.all_to_all(rows, plan.axis, 0, 0, tiled=True).sum(axis=0)
-        offset = 0
-        for k in group:
-            d = plan.dims[k]
-            shape = list(out[k].shape)
-            shape[d] //= n
-            moved = (shape[d], *(s for j, s in enumerate(shape) if j != d))
-            size = int(np.prod(moved, dtype=np.int64))
-            out[k] = jnp.moveaxis(mine[offset: offset + size].reshape(moved), 0, d)
-            offset += size
+        shapes = [_local(out[k].shape, plan.dims[k], n) for k in group]
+        for k, part in zip(group, unpack_by_rank(mine[None], shapes, dims, 1), strict=True):
+            out[k] = part
     return [g.astype(t) for g, t in zip(out, dtypes, strict=True)]
 
 
@@ -252,7 +246,9 @@ def refuse_unreduced(reduces: list) -> None:
 
 
 def _global(shape, d, n) -> tuple:
-    shape = list(shape)
-    shape[d] *= n
-    return tuple(shape)
+    return (*shape[:d], shape[d] * n, *shape[d + 1:])
+
+
+def _local(shape, d, n) -> tuple:
+    return (*shape[:d], shape[d] // n, *shape[d + 1:])
 

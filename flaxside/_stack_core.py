@@ -72,28 +72,29 @@ def _layer_access(layer_fn, params, n_layout: int, carry, consts) -> tuple:
     if plan is not None:
         reduced_per_rank(leaves)
 
-        def layer(flat, i):
-            return jtu.tree_unflatten(treedef, per_rank.gathered(
-                plan, jtu.tree_leaves(_take(flat, i))))
+        def gather(xs):
+            return per_rank.gathered(plan, xs)
 
-        def layer_grads(g):
-            return jtu.tree_unflatten(treedef, per_rank.scattered(
-                plan, jtu.tree_leaves(g), dtypes))
+        def scatter(gs):
+            return per_rank.scattered(plan, gs, dtypes)
+    else:
+        dims = [None if f is None or f.dim is None or f.dim < n_layout else f.dim - n_layout
+                for f in found]
+        reads = [None if f is None else f.dtype for f in found]
 
-        return jtu.tree_unflatten(treedef, sources), layer, layer_grads, plan
-    dims = [None if f is None or f.dim is None or f.dim < n_layout else f.dim - n_layout
-            for f in found]
-    reads = [None if f is None else f.dtype for f in found]
+        def gather(xs):
+            return placement.gathered(xs, dims, reads)
+
+        def scatter(gs):
+            return placement.scattered(gs, dims, dtypes)
 
     def layer(flat, i):
-        return jtu.tree_unflatten(treedef, placement.gathered(
-            jtu.tree_leaves(_take(flat, i)), dims, reads))
+        return jtu.tree_unflatten(treedef, gather(jtu.tree_leaves(_take(flat, i))))
 
     def layer_grads(g):
-        return jtu.tree_unflatten(treedef, placement.scattered(jtu.tree_leaves(g), dims,
-                                                               dtypes))
+        return jtu.tree_unflatten(treedef, scatter(jtu.tree_leaves(g)))
 
-    return jtu.tree_unflatten(treedef, sources), layer, layer_grads, None
+    return jtu.tree_unflatten(treedef, sources), layer, layer_grads, plan
 
 
 def stack_apply(layer_fn: Callable, params, carry, consts=(), *, lengths, policy=None,
