@@ -38,10 +38,43 @@ from torchside._values import Holds, Route
 
 
 class Reusable(NamedTuple):
-    """A JAX array a forward made, for its backward to reuse while its tensor is unchanged."""
+    """A JAX array a forward made, for its backward to reuse while its tensor is unchanged.
 
-    array: weakref.ref
+    ``array()`` is the array, or ``None`` once it is gone (a ``weakref.ref`` or a ``Kept``).
+    """
+
+    array: object
     pointer: int
+
+
+class Kept:
+    """A reference to an array that the ctx holds until the backward, called like a weak one.
+
+    On the DLPack route the torch tensor over a result owns JAX's buffer but not the array
+    object, so a weak reference to the array dies at once, and every backward would import
+    each saved tensor again (about 70 us an import on a GPU: most of a small block's call
+    there). On the CPU route ``cpu_tensor``'s tensor owns its array, and a weak reference
+    lives exactly as long as the tensor. ``BridgeFunction.backward`` drops ``ctx.reuse``
+    unless torch keeps the graph, when torch frees the saved tensors too.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def __call__(self):
+        return self.array
+
+
+def _hooks_active() -> bool:
+    """Whether a saved-tensor hook (``save_on_cpu``, a checkpoint's) packs what is saved.
+
+    Such a hook may move a saved tensor off the device to free its memory: then no
+    reference but a weak one may keep the array over that memory.
+    """
+    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if query is None else query(False) is not None
 
 
 class Forward(NamedTuple):
@@ -172,7 +205,8 @@ class Entry:
         # Offloaded residuals live in host memory, which the backward program does not take.
         kept = [out[k] for k in holds.outputs] + out[n:]
         skip = (False,) * len(holds.outputs) + holds.offloaded
-        reuse = tuple(None if off else Reusable(weakref.ref(a), a.unsafe_buffer_pointer())
+        ref = Kept if self.exchange.dlpack and not _hooks_active() else weakref.ref
+        reuse = tuple(None if off else Reusable(ref(a), a.unsafe_buffer_pointer())
                       for a, off in zip(kept, skip, strict=True))
         return Forward(tensors[:n], tensors[n:], reuse, out)
 
@@ -364,7 +398,9 @@ class BridgeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        entry, route = ctx.entry, ctx.route
+        entry, route, reuse = ctx.entry, ctx.route, ctx.reuse
+        if not _keep_graph():  # torch frees the saved tensors: the forward's arrays go too
+            ctx.reuse = None
         cots = [grads[k] for k in entry.diff_out_index]
         saved = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -378,7 +414,7 @@ class BridgeFunction(torch.autograd.Function):
                 return (None,) * (4 + len(entry.layout.names))
             return (None, None, None, None, *entry.gradients(scaled(saved, cots[0]), cots))
         # The gradients are viewed out of their buffers while the program runs.
-        buffers, pending = entry.backward(ctx.held, route, saved, ctx.reuse, cots)
+        buffers, pending = entry.backward(ctx.held, route, saved, reuse, cots)
         try:
             grads = entry.gradients(buffers, cots)
         finally:

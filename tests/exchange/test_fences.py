@@ -11,7 +11,9 @@ ordinary call. Each test runs on the forced route on the CPU and, with the ``gpu
 on CUDA.
 """
 
+import contextlib
 import re
+import weakref
 
 import flax.linen as nn
 import jax
@@ -112,6 +114,12 @@ def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torc
     # Parameters are held arrays: no call imports their memory again.
     params = {p.data_ptr() for p in m.parameters()}
     assert not [e for e in _events(log) if e.kind == "import" and e.detail[1] in params]
+    # Nor what the forward handed to torch for the backward (its residuals): the backward
+    # runs on the forward's own arrays (an import costs about 70 us on a GPU).
+    handed = [(s, s + n) for s, n in events[2].detail]
+    again = [e for e in _events(log)
+             if e.kind == "import" and any(a <= e.detail[1] < b for a, b in handed)]
+    assert not again, again
     # torch's stream is what each export named: torch's for the fence, the one torch
     # passed to JAX for the results; JAX passed a stream of its own for the fence on CUDA.
     for e in events:
@@ -184,6 +192,46 @@ def test_the_dlpack_route_holds_parameters_zero_copy():
         assert pipeline.crosses_by_dlpack(m) == [True] and pipeline.only_program(m).fence
         held = {a.unsafe_buffer_pointer() for a in pipeline.held_arrays(m)}
         assert held == {p.data_ptr() for p in m.parameters()}  # zero-copy, made once
+    finally:
+        bridge.set_exchange_mode(previous)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hook"])
+def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
+        hooked, monkeypatch):
+    """On the DLPack route the backward reuses the forward's arrays (above): held by the
+    call until its backward, never beyond it (the user's loss outlives the step), and never
+    under a saved-tensor hook, which may move a saved tensor off the device to free it."""
+    made = []  # weak references to the arrays each program run returned
+    run = bridge_exchange.DlpackExchange.run
+
+    def recorded(self, name, program, *args):
+        arrays, tensors = run(self, name, program, *args)
+        made.extend((name, weakref.ref(a)) for a in arrays)
+        return arrays, tensors
+
+    monkeypatch.setattr(bridge_exchange.DlpackExchange, "run", recorded)
+    previous = bridge.set_exchange_mode("dlpack")
+    try:
+        m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
+        x = torch.randn(8, 16)
+        values = [jnp.asarray(p.detach().numpy()) for p in m.parameters()]
+        ref = MLP(16).apply(pipeline.variables_from(m, values), jnp.asarray(x.numpy()))
+        hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+                 if hooked else contextlib.nullcontext())
+        with hooks:
+            y = m(x)
+        forward = [r for name, r in made if name == "forward_with_residuals"]
+        live = sum(r() is not None for r in forward)
+        y.sum().backward()
+        close(y, ref, "the output")
+        assert [name for name, _ in made] == ["forward_with_residuals"] * len(forward) + [
+            "backward"] * (len(made) - len(forward))
+        assert all(r() is None for r in forward), "the forward's arrays outlived its backward"
+        if hooked:  # the clones are what torch saved: the originals' memory must go
+            assert live == 0
+        else:  # the positive control: the call holds its residuals until the backward
+            assert 0 < live < len(forward)  # not the output's: torch holds that memory
     finally:
         bridge.set_exchange_mode(previous)
 
