@@ -4,7 +4,7 @@
 # cannot hide the rest. The logs land in OUT (default ./gpu_out): 8 files on one GPU (two
 # tables, gpu_check.txt, five logs), the device tool's limit.
 #
-#   bash examples/gpu_session.sh [OUT]      # from the repository root; about 9 minutes
+#   bash examples/gpu_session.sh [OUT]      # from the repository root; about 9 to 10 minutes
 #
 # It runs on the machine's own python3 and packages (torch, jax with CUDA, flax), with the
 # repository on PYTHONPATH: nothing is installed. XLA's GPU autotuning is off for the tests
@@ -25,6 +25,6 @@ timeout 110 python3 examples/bench/benchmark.py --device cuda --only tiny,medium
 echo "benchmark exit $?"
 timeout 100 python3 examples/bench/call_costs.py --device cuda --docs "$OUT/call_costs_cuda.md" 2>&1
 echo "call_costs exit $?"
-XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" timeout 300 python3 examples/gpu_check.py \
+XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" timeout 360 python3 examples/gpu_check.py \
   --log "$OUT/logs" --timeout 150 --skip leaves 2>&1 | tee "$OUT/gpu_check.txt"
 echo "gpu_check exit $?"

@@ -215,8 +215,9 @@ def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
     try:
         m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
         x = torch.randn(8, 16)
-        values = [jnp.asarray(p.detach().numpy()) for p in m.parameters()]
-        ref = MLP(16).apply(pipeline.variables_from(m, values), jnp.asarray(x.numpy()))
+        with jax.default_device(jax.devices("cpu")[0]):  # where the module runs (no TF32)
+            values = [jnp.asarray(p.detach().numpy()) for p in m.parameters()]
+            ref = MLP(16).apply(pipeline.variables_from(m, values), jnp.asarray(x.numpy()))
         hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
                  if hooked else contextlib.nullcontext())
         with hooks:
