@@ -133,7 +133,9 @@ def forward_op(caller_id: int, training: int, graph: int, mask: str,
     caller = _caller(caller_id)
     call, grads, var_grads = _op_call(caller, training, graph, mask, leaves)
     entry, state_arrays, full = caller.prepare(call, grads, var_grads, "compiled")
-    fwd = entry.forward(state_arrays, full, entry.routes["compiled"])
+    route = entry.routes["compiled"]
+    fwd = entry.forward(state_arrays, full, route)
+    entry.keep_for_op(route, fwd)
     entry.exchange.wait(fwd.pending)
     # The RNG slot as a fresh tensor: an op may not return one of its inputs or a tensor it
     # returned before.
@@ -166,7 +168,9 @@ def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
     """
     caller = _caller(caller_id)
     entry = caller.entry(key)
-    buffers, pending = entry.backward(caller.held, entry.routes["compiled"], saved, None, cots)
+    route = entry.routes["compiled"]
+    reuse = entry.reuse_for_op(route, saved)
+    buffers, pending = entry.backward(caller.held, route, saved, reuse, cots)
     entry.exchange.wait(pending)
     return buffers
 

@@ -16,6 +16,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import bridge
 from bridge.internal import HeldArrays, check_memory
@@ -55,7 +56,10 @@ class Kept:
     each saved tensor again (about 70 us an import on a GPU: most of a small block's call
     there). On the CPU route ``cpu_tensor``'s tensor owns its array, and a weak reference
     lives exactly as long as the tensor. ``BridgeFunction.backward`` drops ``ctx.reuse``
-    unless torch keeps the graph, when torch frees the saved tensors too.
+    unless torch keeps the graph, when torch frees the saved tensors too; the compiled
+    route keeps them in the entry instead (``Entry.keep_for_op``). A saved-tensor hook
+    registered on the node after the call (``grad_fn._raw_saved_tensors``) is not seen:
+    the arrays then hold their memory until the backward.
     """
 
     __slots__ = ("array",)
@@ -126,7 +130,7 @@ class Entry:
     __slots__ = ("program", "exchange", "layout", "routes", "holds", "rng_read",
                  "write_back", "n_out", "n_results", "out_treedef", "nondiff_out",
                  "diff_out_index", "grad_slots", "views", "key", "_executables",
-                 "_zero_cots", "_unreached", "__weakref__")
+                 "_zero_cots", "_unreached", "_for_op", "__weakref__")
 
     def __init__(self, program, exchange, layout, views, routes: dict, key: int):
         self.program = program
@@ -147,6 +151,7 @@ class Entry:
         self._executables: dict = {}
         self._zero_cots: dict = {}
         self._unreached: dict = {}
+        self._for_op: dict = {}  # keep_for_op's: address -> (Reusable, StorageWeakRef)
 
     def holding(self, route: Route) -> Holds:
         """What a call on ``route`` holds (lowering ``forward_with_residuals`` if needed)."""
@@ -209,6 +214,39 @@ class Entry:
         reuse = tuple(None if off else Reusable(ref(a), a.unsafe_buffer_pointer())
                       for a, off in zip(kept, skip, strict=True))
         return Forward(tensors[:n], tensors[n:], reuse, out)
+
+    def keep_for_op(self, route: Route, fwd: Forward) -> None:
+        """The compiled route's ``ctx.reuse``: keeps ``fwd``'s held arrays for the backward op.
+
+        A compiled graph hands ``backward_op`` the tensors it saved and nothing else of the
+        call, so the arrays are found again by their tensors' addresses (``reuse_for_op``).
+        One is dropped when the backward op takes it or, at a later call's forward, once
+        torch has freed its tensor (a graph dropped without a backward; until then the
+        array holds that memory). Weak references (the CPU route, a saved-tensor hook)
+        need no keeping: the backward op views those tensors afresh.
+        """
+        kept = self._for_op
+        for address, (_, storage) in list(kept.items()):
+            if storage.expired():
+                del kept[address]
+        if fwd.reuse is None:
+            return
+        holds = self.holding(route)
+        tensors = [fwd.results[k] for k in holds.outputs] + fwd.buffers
+        for r, t in zip(fwd.reuse, tensors, strict=True):
+            if r is not None and type(r.array) is Kept:
+                kept[r.pointer] = (r, StorageWeakRef(t.untyped_storage()))
+
+    def reuse_for_op(self, route: Route, saved) -> tuple | None:
+        """``saved_arrays``' ``reuse`` for ``backward_op``'s ``saved``, each taken once.
+
+        What ``keep_for_op`` kept of them, ``None`` for the rest (viewed afresh).
+        """
+        kept = self._for_op
+        if not kept:
+            return None
+        a = self.holding(route).bounds[0]
+        return tuple(kept.pop(t.data_ptr(), (None,))[0] for t in saved[a:])
 
     # -- backward ----------------------------------------------------------------------------
     def zero_cotangent(self, k: int):

@@ -116,10 +116,7 @@ def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torc
     assert not [e for e in _events(log) if e.kind == "import" and e.detail[1] in params]
     # Nor what the forward handed to torch for the backward (its residuals): the backward
     # runs on the forward's own arrays (an import costs about 70 us on a GPU).
-    handed = [(s, s + n) for s, n in events[2].detail]
-    again = [e for e in _events(log)
-             if e.kind == "import" and any(a <= e.detail[1] < b for a, b in handed)]
-    assert not again, again
+    assert not _imported_again(log, events[2])
     # torch's stream is what each export named: torch's for the fence, the one torch
     # passed to JAX for the results; JAX passed a stream of its own for the fence on CUDA.
     for e in events:
@@ -169,6 +166,15 @@ def test_compiled_graph_runs_are_fenced_like_eager_ones(route):
                            "test: backward",
                            "torch->jax", "run:backward", "jax->torch"]
     assert _fenced_right_before_each_run(log)
+    handed = [e for e in _events(log) if e.kind == "jax->torch"][0]
+    assert not _imported_again(log, handed)  # the backward op reuses the residuals
+
+
+def _imported_again(log, handed) -> list:
+    """The imports in ``log`` of memory that the ``jax->torch`` step ``handed`` gave torch."""
+    ranges = [(s, s + n) for s, n in handed.detail]
+    return [e for e in _events(log)
+            if e.kind == "import" and any(a <= e.detail[1] < b for a, b in ranges)]
 
 
 def test_a_compiled_first_call_fences_with_a_real_tensor(route):
@@ -196,9 +202,10 @@ def test_the_dlpack_route_holds_parameters_zero_copy():
         bridge.set_exchange_mode(previous)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hook"])
 def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
-        hooked, monkeypatch):
+        hooked, compiled, monkeypatch):
     """On the DLPack route the backward reuses the forward's arrays (above): held by the
     call until its backward, never beyond it (the user's loss outlives the step), and never
     under a saved-tensor hook, which may move a saved tensor off the device to free it."""
@@ -214,14 +221,17 @@ def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
     previous = bridge.set_exchange_mode("dlpack")
     try:
         m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
+        call = torch.compile(m, fullgraph=True) if compiled else m
         x = torch.randn(8, 16)
+        call(x).sum().backward()  # compiled and traced before anything is recorded
+        made.clear()
         with jax.default_device(jax.devices("cpu")[0]):  # where the module runs (no TF32)
             values = [jnp.asarray(p.detach().numpy()) for p in m.parameters()]
             ref = MLP(16).apply(pipeline.variables_from(m, values), jnp.asarray(x.numpy()))
         hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
                  if hooked else contextlib.nullcontext())
         with hooks:
-            y = m(x)
+            y = call(x)
         forward = [r for name, r in made if name == "forward_with_residuals"]
         live = sum(r() is not None for r in forward)
         y.sum().backward()
@@ -233,6 +243,38 @@ def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
             assert live == 0
         else:  # the positive control: the call holds its residuals until the backward
             assert 0 < live < len(forward)  # not the output's: torch holds that memory
+    finally:
+        bridge.set_exchange_mode(previous)
+
+
+def test_a_compiled_graph_dropped_without_its_backward_lets_its_arrays_go(monkeypatch):
+    """The compiled route keeps the forward's arrays by address for the backward op
+    (``Entry.keep_for_op``): a graph the user drops unrun (an evaluation with gradients
+    on) must not keep them past the next call."""
+    made = []
+    run = bridge_exchange.DlpackExchange.run
+
+    def recorded(self, name, program, *args):
+        arrays, tensors = run(self, name, program, *args)
+        made.append([weakref.ref(a) for a in arrays])
+        return arrays, tensors
+
+    monkeypatch.setattr(bridge_exchange.DlpackExchange, "run", recorded)
+    previous = bridge.set_exchange_mode("dlpack")
+    try:
+        m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
+        call = torch.compile(m, fullgraph=True)
+        x = torch.randn(8, 16)
+        call(x).sum().backward()
+        made.clear()
+        y = call(x)
+        first = made[-1]
+        assert any(r() is not None for r in first)  # held while the graph may run
+        del y  # the graph goes unrun
+        y = call(x)
+        assert all(r() is None for r in first), "a dropped graph's arrays outlived the next call"
+        y.sum().backward()
+        assert all(r() is None for r in made[-2])  # the second call's: taken by its backward
     finally:
         bridge.set_exchange_mode(previous)
 
