@@ -133,9 +133,7 @@ def forward_op(caller_id: int, training: int, graph: int, mask: str,
     caller = _caller(caller_id)
     call, grads, var_grads = _op_call(caller, training, graph, mask, leaves)
     entry, state_arrays, full = caller.prepare(call, grads, var_grads, "compiled")
-    route = entry.routes["compiled"]
-    fwd = entry.forward(state_arrays, full, route)
-    entry.keep_for_op(route, fwd)
+    fwd = entry.forward(state_arrays, full, entry.routes["compiled"])
     entry.exchange.wait(fwd.pending)
     # The RNG slot as a fresh tensor: an op may not return one of its inputs or a tensor it
     # returned before.

@@ -16,7 +16,6 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import bridge
 from bridge.internal import HeldArrays, check_memory
@@ -39,46 +38,37 @@ from torchside._values import Holds, Route
 
 
 class Reusable(NamedTuple):
-    """A JAX array a forward made, for its backward to reuse while its tensor is unchanged.
+    """A JAX array a forward made, for its backward to reuse while its tensor is unchanged."""
 
-    ``array()`` is the array, or ``None`` once it is gone (a ``weakref.ref`` or a ``Kept``).
-    """
-
-    array: object
+    array: weakref.ref
     pointer: int
 
 
-class Kept:
-    """A reference to an array that the ctx holds until the backward, called like a weak one.
+# The attribute of a torch storage, made over a JAX result on the DLPack route, that holds
+# the result's array (``own_arrays``).
+_ARRAY = "_flaxtorch_array"
 
-    On the DLPack route the torch tensor over a result owns JAX's buffer but not the array
-    object, so a weak reference to the array dies at once, and every backward would import
-    each saved tensor again (about 70 us an import on a GPU: most of a small block's call
-    there). On the CPU route ``cpu_tensor``'s tensor owns its array, and a weak reference
-    lives exactly as long as the tensor. ``BridgeFunction.backward`` drops ``ctx.reuse``
-    unless torch keeps the graph, when torch frees the saved tensors too; the compiled
-    route keeps them in the entry instead (``Entry.keep_for_op``). A saved-tensor hook
-    registered on the node after the call (``grad_fn._raw_saved_tensors``) is not seen:
-    the arrays then hold their memory until the backward.
+
+def own_arrays(tensors, arrays) -> None:
+    """Makes each torch storage over a result (DLPack route) hold the result's array.
+
+    On the CPU route ``cpu_tensor``'s tensor owns its array (its base), so a weak
+    reference to the array lives exactly as long as torch's memory. On the DLPack route the
+    tensor owns JAX's buffer but not the array object, and a weak reference dies at once:
+    every backward imported each saved tensor again (about 70 us an import on a GPU: most
+    of a small block's call there). torch keeps a storage's Python object, and its
+    attributes, as long as the storage lives (views, saved tensors and ``tensor_data()``
+    share it), so the array lives exactly as long as torch's memory: until the backward
+    frees what it saved, a saved-tensor hook drops the tensor it moved off the device, or
+    torch drops a graph never run backward.
     """
-
-    __slots__ = ("array",)
-
-    def __init__(self, array):
-        self.array = array
-
-    def __call__(self):
-        return self.array
+    for t, a in zip(tensors, arrays, strict=True):
+        setattr(t.untyped_storage(), _ARRAY, a)
 
 
-def _hooks_active() -> bool:
-    """Whether a saved-tensor hook (``save_on_cpu``, a checkpoint's) packs what is saved.
-
-    Such a hook may move a saved tensor off the device to free its memory: then no
-    reference but a weak one may keep the array over that memory.
-    """
-    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return True if query is None else query(False) is not None
+def stored_array(tensor: torch.Tensor):
+    """The array ``own_arrays`` gave ``tensor``'s storage, or ``None``."""
+    return getattr(tensor.untyped_storage(), _ARRAY, None)
 
 
 class Forward(NamedTuple):
@@ -130,7 +120,7 @@ class Entry:
     __slots__ = ("program", "exchange", "layout", "routes", "holds", "rng_read",
                  "write_back", "n_out", "n_results", "out_treedef", "nondiff_out",
                  "diff_out_index", "grad_slots", "views", "key", "_executables",
-                 "_zero_cots", "_unreached", "_for_op", "__weakref__")
+                 "_zero_cots", "_unreached", "__weakref__")
 
     def __init__(self, program, exchange, layout, views, routes: dict, key: int):
         self.program = program
@@ -151,7 +141,6 @@ class Entry:
         self._executables: dict = {}
         self._zero_cots: dict = {}
         self._unreached: dict = {}
-        self._for_op: dict = {}  # keep_for_op's: address -> (Reusable, StorageWeakRef)
 
     def holding(self, route: Route) -> Holds:
         """What a call on ``route`` holds (lowering ``forward_with_residuals`` if needed)."""
@@ -210,43 +199,28 @@ class Entry:
         # Offloaded residuals live in host memory, which the backward program does not take.
         kept = [out[k] for k in holds.outputs] + out[n:]
         skip = (False,) * len(holds.outputs) + holds.offloaded
-        ref = Kept if self.exchange.dlpack and not _hooks_active() else weakref.ref
-        reuse = tuple(None if off else Reusable(ref(a), a.unsafe_buffer_pointer())
+        if self.exchange.dlpack:
+            own_arrays([tensors[k] for k in holds.outputs] + tensors[n:], kept)
+        reuse = tuple(None if off else Reusable(weakref.ref(a), a.unsafe_buffer_pointer())
                       for a, off in zip(kept, skip, strict=True))
         return Forward(tensors[:n], tensors[n:], reuse, out)
 
-    def keep_for_op(self, route: Route, fwd: Forward) -> None:
-        """The compiled route's ``ctx.reuse``: keeps ``fwd``'s held arrays for the backward op.
-
-        A compiled graph hands ``backward_op`` the tensors it saved and nothing else of the
-        call, so the arrays are found again by their tensors' addresses (``reuse_for_op``).
-        One is dropped when the backward op takes it or, at a later call's forward, once
-        torch has freed its tensor (a graph dropped without a backward; until then the
-        array holds that memory). Weak references (the CPU route, a saved-tensor hook)
-        need no keeping: the backward op views those tensors afresh.
-        """
-        kept = self._for_op
-        for address, (_, storage) in list(kept.items()):
-            if storage.expired():
-                del kept[address]
-        if fwd.reuse is None:
-            return
-        holds = self.holding(route)
-        tensors = [fwd.results[k] for k in holds.outputs] + fwd.buffers
-        for r, t in zip(fwd.reuse, tensors, strict=True):
-            if r is not None and type(r.array) is Kept:
-                kept[r.pointer] = (r, StorageWeakRef(t.untyped_storage()))
-
     def reuse_for_op(self, route: Route, saved) -> tuple | None:
-        """``saved_arrays``' ``reuse`` for ``backward_op``'s ``saved``, each taken once.
+        """``saved_arrays``' ``reuse`` for ``backward_op`` (``None`` on the CPU route).
 
-        What ``keep_for_op`` kept of them, ``None`` for the rest (viewed afresh).
+        The arrays the forward op's results own (``own_arrays``): a compiled graph hands
+        the backward op its saved tensors and nothing else of the call.
         """
-        kept = self._for_op
-        if not kept:
+        if not self.exchange.dlpack:
             return None
-        a = self.holding(route).bounds[0]
-        return tuple(kept.pop(t.data_ptr(), (None,))[0] for t in saved[a:])
+        holds = self.holding(route)
+        skip = (False,) * len(holds.outputs) + holds.offloaded  # as ``forward``'s
+        out = []
+        for t, off in zip(saved[holds.bounds[0]:], skip, strict=True):
+            array = None if off else stored_array(t)
+            out.append(None if array is None else
+                       Reusable(weakref.ref(array), array.unsafe_buffer_pointer()))
+        return tuple(out)
 
     # -- backward ----------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
@@ -436,9 +410,7 @@ class BridgeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        entry, route, reuse = ctx.entry, ctx.route, ctx.reuse
-        if not _keep_graph():  # torch frees the saved tensors: the forward's arrays go too
-            ctx.reuse = None
+        entry, route = ctx.entry, ctx.route
         cots = [grads[k] for k in entry.diff_out_index]
         saved = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -452,7 +424,7 @@ class BridgeFunction(torch.autograd.Function):
                 return (None,) * (4 + len(entry.layout.names))
             return (None, None, None, None, *entry.gradients(scaled(saved, cots[0]), cots))
         # The gradients are viewed out of their buffers while the program runs.
-        buffers, pending = entry.backward(ctx.held, route, saved, reuse, cots)
+        buffers, pending = entry.backward(ctx.held, route, saved, ctx.reuse, cots)
         try:
             grads = entry.gradients(buffers, cots)
         finally:

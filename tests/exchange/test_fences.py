@@ -206,9 +206,11 @@ def test_the_dlpack_route_holds_parameters_zero_copy():
 @pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hook"])
 def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
         hooked, compiled, monkeypatch):
-    """On the DLPack route the backward reuses the forward's arrays (above): held by the
-    call until its backward, never beyond it (the user's loss outlives the step), and never
-    under a saved-tensor hook, which may move a saved tensor off the device to free it."""
+    """On the DLPack route the backward reuses the forward's arrays (above), which torch's
+    memory over them owns (``own_arrays``): alive until the backward frees what it saved,
+    never beyond it (the user's loss outlives the step), and gone at once where a
+    saved-tensor hook saved something else (it may move a tensor off the device to free
+    it)."""
     made = []  # weak references to the arrays each program run returned
     run = bridge_exchange.DlpackExchange.run
 
@@ -247,34 +249,85 @@ def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
         bridge.set_exchange_mode(previous)
 
 
-def test_a_compiled_graph_dropped_without_its_backward_lets_its_arrays_go(monkeypatch):
-    """The compiled route keeps the forward's arrays by address for the backward op
-    (``Entry.keep_for_op``): a graph the user drops unrun (an evaluation with gradients
-    on) must not keep them past the next call."""
+def _recording(monkeypatch) -> list:
+    """Per program run on the DLPack route, its name and weak references to its arrays."""
     made = []
     run = bridge_exchange.DlpackExchange.run
 
     def recorded(self, name, program, *args):
         arrays, tensors = run(self, name, program, *args)
-        made.append([weakref.ref(a) for a in arrays])
+        made.append((name, [weakref.ref(a) for a in arrays]))
         return arrays, tensors
 
     monkeypatch.setattr(bridge_exchange.DlpackExchange, "run", recorded)
+    return made
+
+
+def _alive(refs) -> int:
+    return sum(r() is not None for r in refs)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_graph_dropped_without_its_backward_lets_its_arrays_go(compiled, monkeypatch):
+    """An evaluation with gradients on drops each graph unrun: its arrays go with it."""
+    made = _recording(monkeypatch)
     previous = bridge.set_exchange_mode("dlpack")
     try:
         m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
-        call = torch.compile(m, fullgraph=True)
+        call = torch.compile(m, fullgraph=True) if compiled else m
         x = torch.randn(8, 16)
         call(x).sum().backward()
         made.clear()
         y = call(x)
-        first = made[-1]
-        assert any(r() is not None for r in first)  # held while the graph may run
-        del y  # the graph goes unrun
-        y = call(x)
-        assert all(r() is None for r in first), "a dropped graph's arrays outlived the next call"
-        y.sum().backward()
-        assert all(r() is None for r in made[-2])  # the second call's: taken by its backward
+        (name, first), = made
+        assert name == "forward_with_residuals" and _alive(first)  # the graph may run
+        del y
+        assert not _alive(first), "a dropped graph's arrays outlived it"
+    finally:
+        bridge.set_exchange_mode(previous)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_checkpointed_blocks_hold_no_arrays_between_forward_and_backward(
+        compiled, monkeypatch):
+    """``torch.utils.checkpoint`` (non-reentrant) keeps no block's residuals: nor may the
+    arrays under them stay, eager or inside a compiled graph (where no saved-tensor hook
+    is active when the op runs). Gradients equal the same blocks unchecked."""
+    from torch.utils.checkpoint import checkpoint
+
+    made = _recording(monkeypatch)
+    previous = bridge.set_exchange_mode("dlpack")
+    try:
+        blocks = [FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
+                  for _ in range(3)]
+
+        def net(x, checked):
+            for b in blocks:
+                x = checkpoint(b, x, use_reentrant=False) if checked else b(x)
+            return x
+
+        run = torch.compile(net, fullgraph=True) if compiled else net
+        x = torch.randn(8, 16, requires_grad=True)
+        ct = torch.randn(8, 16)
+        grads = []
+        for checked in (False, True):
+            run(x, checked).backward(ct)  # compiled and traced first
+            for t in [x, *(p for b in blocks for p in b.parameters())]:
+                t.grad = None
+            made.clear()
+            y = run(x, checked)
+            forwards = [refs for name, refs in made if name == "forward_with_residuals"]
+            assert len(forwards) == len(blocks)
+            live = [_alive(refs) for refs in forwards]
+            y.backward(ct)
+            grads.append([t.grad.clone() for t in
+                          [x, *(p for b in blocks for p in b.parameters())]])
+            if checked:
+                assert live == [0] * len(blocks), live
+            else:  # the positive control: unchecked, each block holds its residuals
+                assert all(live), live
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # one XLA program, same inputs
     finally:
         bridge.set_exchange_mode(previous)
 
