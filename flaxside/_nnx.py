@@ -110,11 +110,29 @@ def _partition_names(params, n: int) -> list:
         return [None] * n
     out = []
     for v in variables:
-        meta = v.get_metadata() if isinstance(v, nnx.Variable) else {}
-        names = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding")
-                      if meta.get(k) is not None), None)
-        out.append(tuple(names) if isinstance(names, tuple | list) else None)
+        found = sharding_names(v) if isinstance(v, nnx.Variable) else None
+        out.append(None if found is None else found[1])
     return out
+
+
+# Where a Variable keeps the names ``nnx.with_partitioning`` gives: ``out_sharding`` in flax
+# 0.12.8, ``sharding_names`` in 0.12.1.
+_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def sharding_names(variable: nnx.Variable) -> tuple[str, tuple] | None:
+    """The metadata key holding ``variable``'s per-dimension partition names, and the names.
+
+    A ``PartitionSpec`` counts as its tuple of names (it is no tuple in jax 0.10); a
+    ``NamedSharding`` or another sharding object gives no names (``None``).
+    """
+    meta = variable.get_metadata()
+    for key in _SHARDING_KEYS:
+        names = meta.get(key)
+        if names is not None:
+            return ((key, tuple(names))
+                    if isinstance(names, tuple | list | jax.sharding.PartitionSpec) else None)
+    return None
 
 
 class NNXAdapter(Leaves):

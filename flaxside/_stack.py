@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax.core.meta
 import flax.linen as nn
 import jax
 from flax import nnx
@@ -125,7 +126,17 @@ class RematStack(nn.Module):
                 return layer.init(dict(zip(("params", *streams), keys, strict=True)), x)
 
             stacked = lax.map(init_one, jax.random.split(rng, self.depth))["params"][name]
-            return jtu.tree_map(lambda a: a.reshape(layout + a.shape[1:]), stacked)
+            stacked = jtu.tree_map(lambda a: a.reshape(layout + a.shape[1:]), stacked)
+            return jtu.tree_map(layer_axes, stacked, is_leaf=_is_boxed)
+
+        def layer_axes(x):
+            # A layer's partition names (nn.with_logical_partitioning) name one layer's
+            # dimensions; the layer axes come first and are named by none (as nn.scan's
+            # metadata_params={nn.PARTITION_NAME: None}), else a rule for the first name
+            # would shard the layer axis.
+            for _ in layout:
+                x = x.add_axis(0, {nn.PARTITION_NAME: None}) if _is_boxed(x) else x
+            return x
 
         # Flax checks stored shapes against init_stack's (ScopeParamShapeError).
         params = {n: self.param(n, init_stack, n) for n in one}
@@ -133,6 +144,10 @@ class RematStack(nn.Module):
         lengths = self.choose_lengths(x, streams).lengths if auto else layout
         return stack_apply(self._layer_fn(), params, x, keys, lengths=lengths,
                            policy=resolve_policy(self.policy), layout=layout)
+
+
+def _is_boxed(x) -> bool:
+    return isinstance(x, flax.core.meta.AxisMetadata)
 
 
 def _is_nnx(block) -> bool:

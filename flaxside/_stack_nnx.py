@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from flaxside._lengths import choose_stack_lengths, signature
+from flaxside._nnx import sharding_names
 from flaxside._stack_args import check_lengths, resolve_policy
 from flaxside._stack_core import stack_apply
 
@@ -55,6 +57,16 @@ class NnxRematStack(nnx.Module):
             )
         state = nnx.state(layers)
         nnx.update(layers, jtu.tree_map(lambda a: a.reshape(layout + a.shape[1:]), state))
+        # A layer's partition names name one layer's dimensions; the stack's layer axes
+        # come first and are named by none (as nn.scan's metadata_params={PARTITION_NAME:
+        # None} does), else a rule for the first name would shard the layer axis.
+        for _, variable in nnx.to_flat_state(nnx.state(layers, nnx.Param)):
+            found = sharding_names(variable)
+            if found is not None:
+                key, names = found
+                own = jnp.ndim(variable.get_value()) - len(layout)  # one layer's dims
+                names = names[max(len(names) - own, 0):]  # less a name vmap gave depth
+                variable.set_metadata(**{key: (None,) * len(layout) + names})
         self.layers = layers
         self.depth = depth
         self.lengths = lengths if auto else layout

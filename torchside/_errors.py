@@ -252,8 +252,19 @@ def mesh_not_1d(where: str, mesh) -> ValueError:
     """A mesh of several dimensions."""
     return ValueError(
         f"shard({where}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; a block is "
-        f"sharded over one. Pass a one-dimensional DeviceMesh, e.g. "
-        f"init_device_mesh('cuda', (world_size,)), or mesh[dim_name] of a larger one."
+        f"sharded over one. Pass a one-dimensional DeviceMesh over every rank, e.g. "
+        f"init_device_mesh('cuda', (world_size,))."
+    )
+
+
+def mesh_not_every_rank(where: str, ranks: list, world: int) -> ValueError:
+    """A one-dimensional mesh over some ranks only (a dimension of a larger mesh)."""
+    return ValueError(
+        f"shard({where}): mesh is over ranks {ranks} of a world of {world}; a block is "
+        f"sharded over every rank (one JAX program spans all processes). Pass a "
+        f"one-dimensional DeviceMesh over all {world} ranks, e.g. "
+        f"init_device_mesh('cuda', ({world},)); meshes of two dimensions, and their "
+        f"sub-meshes, are not supported yet."
     )
 
 

@@ -69,8 +69,9 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         module: the ``FlaxModule``, best built under ``torch.device("meta")``; then
             ``to_empty(device=...)`` and ``reset_parameters()``, which initializes each
             rank's shards only.
-        mesh: a one-dimensional ``torch.distributed.DeviceMesh``; ``None`` makes one over
-            every rank, on the CPU or, where CUDA is available, each rank's current GPU.
+        mesh: a one-dimensional ``torch.distributed.DeviceMesh`` over every rank (not a
+            dimension of a larger mesh); ``None`` makes one over every rank, on the CPU
+            or, where CUDA is available, each rank's current GPU.
         axis_rules: Flax logical axis rules (``(("embed", "shard"), ...)``) for
             parameters made with ``nn.with_logical_partitioning`` (or an NNX factory's
             ``nnx.with_partitioning`` with logical names).
@@ -86,8 +87,9 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
     Raises:
         RuntimeError: torch.distributed is not initialized, or JAX's backends already
             exist (JAX's distributed runtime must start first).
-        ValueError: the mesh is not one-dimensional, the module is already sharded, or
-            a field of ``mp_policy`` is not supported (the module is left unchanged).
+        ValueError: the mesh is not one-dimensional or not over every rank, the module
+            is already sharded, or a field of ``mp_policy`` is not supported (the module
+            is left unchanged).
         TypeError: ``mp_policy`` is not a ``MixedPrecisionPolicy``.
 
     Example:
@@ -117,11 +119,16 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if mesh.ndim != 1:
         raise _errors.mesh_not_1d(where, mesh)
+    ranks = [int(r) for r in mesh.mesh.tolist()]
+    if sorted(ranks) != list(range(dist.get_world_size())):
+        raise _errors.mesh_not_every_rank(where, ranks, dist.get_world_size())
     targets = module._shard_targets(axis_rules)  # refuses a module already sharded
     start_jax_distributed(mesh.device_type)
     axis = (mesh.mesh_dim_names or (DEFAULT_AXIS,))[0]
-    devices = sorted(jax.devices(), key=lambda d: d.process_index)
-    jax_mesh = jax.sharding.Mesh(np.array(devices), (axis,))
+    # Position i of the mesh is rank ranks[i], torch's and JAX's alike (process id = rank:
+    # start_jax_distributed), so that DTensor's shard i and JAX's are the same rows.
+    by_process = {d.process_index: d for d in jax.devices()}
+    jax_mesh = jax.sharding.Mesh(np.array([by_process[r] for r in ranks]), (axis,))
     size = mesh.size()
     dims, casts, reduces, parameters = [], [], [], {}
     for i, (t, is_param, flax_names) in enumerate(targets):

@@ -307,8 +307,20 @@ def main(rank: int, world: int, port: str, out: str) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
+    report = {}
+    if sharded:  # a dimension of a larger mesh: over this rank only, refused by name
+        from torch.distributed.device_mesh import init_device_mesh
+
+        own = init_device_mesh(device.split(":")[0], (world, 1), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):  # nothing may run JAX before shard() starts it
+            module = block()
+        try:
+            shard(module, own["tp"])
+            report["submesh"] = "ran"
+        except ValueError as e:
+            report["submesh"] = str(e)
     model = build(sharded, device)
-    report = {"initial": full(model)}
+    report["initial"] = full(model)
     report["local"] = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
                        for n, p in model[1].named_parameters()}
     gen = torch.Generator().manual_seed(1)
@@ -328,9 +340,9 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     report["final"] = full(model)
     report["norms"] = torch.stack(norms).cpu()
     report["gathers"] = gathers(model[1])
-    block = list(model[1].parameters())
-    report["bytes"] = {"params": local_bytes(block), "optimizer": local_bytes(
-        [v for p in block for v in opt.state[p].values() if v.dim() > 0])}
+    block_params = list(model[1].parameters())
+    report["bytes"] = {"params": local_bytes(block_params), "optimizer": local_bytes(
+        [v for p in block_params for v in opt.state[p].values() if v.dim() > 0])}
     x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
     report["tagged"] = tagged(sharded, device, x[rank * BATCH // world:][: BATCH // world])
     report["transformer"] = transformer(sharded, device, rank, world)

@@ -170,6 +170,8 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
     # (they run on the same block unsharded), parameters untouched.
     assert reference["refusals"] == {"create_graph": "ran", "vmap": "ran",
                                      "variable_tensors": "ran"}
+    for r, report in enumerate(ranks):  # a sub-mesh (over this rank) is refused by name
+        assert f"mesh is over ranks [{r}] of a world of 2" in report["submesh"], report
     for report in ranks:
         message = "FlaxModule(ReadmeDeep) is sharded (torchside.shard)"
         assert message in report["refusals"]["create_graph"], report["refusals"]
