@@ -120,11 +120,11 @@ def _partition_names(params, n: int) -> list:
 _SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
-def sharding_names(variable: nnx.Variable) -> tuple[str, tuple] | None:
-    """The metadata key holding ``variable``'s per-dimension partition names, and the names.
+def partition_metadata(variable: nnx.Variable) -> tuple[str, tuple] | None:
+    """Where ``variable`` keeps its per-dimension partition names, and the names.
 
-    A ``PartitionSpec`` counts as its tuple of names (it is no tuple in jax 0.10); a
-    ``NamedSharding`` or another sharding object gives no names (``None``).
+    ``(metadata key, names as a tuple)`` (a ``PartitionSpec`` is no tuple in jax 0.10), or
+    ``None``: no names, or a sharding object.
     """
     meta = variable.get_metadata()
     for key in _SHARDING_KEYS:
@@ -133,6 +133,20 @@ def sharding_names(variable: nnx.Variable) -> tuple[str, tuple] | None:
             return ((key, tuple(names))
                     if isinstance(names, tuple | list | jax.sharding.PartitionSpec) else None)
     return None
+
+
+def sharding_names(variable: nnx.Variable) -> tuple[str, tuple] | None:
+    """``partition_metadata``, each dimension one name or ``None``; else ``None``.
+
+    A dimension over several axes (``P(("embed", "x"))``) says nothing a one-axis mesh can
+    follow: no names, as for a sharding object (the FSDP-style choice applies).
+    """
+    found = partition_metadata(variable)
+    if found is None:
+        return None
+    key, names = found
+    names = tuple(n[0] if isinstance(n, tuple | list) and len(n) == 1 else n for n in names)
+    return None if any(isinstance(n, tuple | list) for n in names) else (key, names)
 
 
 class NNXAdapter(Leaves):

@@ -175,7 +175,8 @@ class OnMesh:
     """A one-axis mesh of processes, one device each (NOTE [SPMD programs]).
 
     Attributes:
-        mesh: the JAX mesh, one device per process, in process order.
+        mesh: the JAX mesh, one device per process, in the order of torch's mesh (its
+            position i is process mesh.mesh[i]'s device: process id = torch rank).
         axis: its axis name.
         dims: per leaf, the dimension sharded over ``axis`` (``None``: replicated, every
             process passes the whole value).

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from flaxside._lengths import choose_stack_lengths, signature
-from flaxside._nnx import sharding_names
+from flaxside._nnx import partition_metadata
 from flaxside._stack_args import check_lengths, resolve_policy
 from flaxside._stack_core import stack_apply
 
@@ -61,11 +60,9 @@ class NnxRematStack(nnx.Module):
         # come first and are named by none (as nn.scan's metadata_params={PARTITION_NAME:
         # None} does), else a rule for the first name would shard the layer axis.
         for _, variable in nnx.to_flat_state(nnx.state(layers, nnx.Param)):
-            found = sharding_names(variable)
+            found = partition_metadata(variable)
             if found is not None:
-                key, names = found
-                own = jnp.ndim(variable.get_value()) - len(layout)  # one layer's dims
-                names = names[max(len(names) - own, 0):]  # less a name vmap gave depth
+                key, names = found  # nnx.vmap (flax 0.12.1 to 0.12.8) adds no name
                 variable.set_metadata(**{key: (None,) * len(layout) + names})
         self.layers = layers
         self.depth = depth

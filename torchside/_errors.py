@@ -294,6 +294,25 @@ def jax_world_mismatch(jax_processes: int, world: int) -> RuntimeError:
     )
 
 
+def jax_process_mismatch(jax_process: int, rank: int) -> RuntimeError:
+    """JAX's process id is not torch's rank."""
+    return RuntimeError(
+        f"shard: this process is JAX's process {jax_process} but torch's rank {rank}; a "
+        f"sharded block places rank r's shards on JAX's process r. Start JAX's runtime "
+        f"with process_id=torch.distributed.get_rank(), or let shard() start it."
+    )
+
+
+def jax_devices_per_process(devices: list, world: int) -> RuntimeError:
+    """More than one JAX device per process."""
+    return RuntimeError(
+        f"shard: JAX sees {len(devices)} devices over {world} process(es) ({devices}); a "
+        f"sharded block runs one device per process, the one its tensors are on. Start "
+        f"JAX's runtime with local_device_ids=[the rank's GPU] (or let shard() start it), "
+        f"and leave out XLA_FLAGS=--xla_force_host_platform_device_count on the CPU."
+    )
+
+
 def write_back_under_transform(where: str, names: list) -> NotImplementedError:
     """A call that writes state back, under a ``torch.func`` transform."""
     return NotImplementedError(

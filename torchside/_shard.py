@@ -127,7 +127,10 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
     axis = (mesh.mesh_dim_names or (DEFAULT_AXIS,))[0]
     # Position i of the mesh is rank ranks[i], torch's and JAX's alike (process id = rank:
     # start_jax_distributed), so that DTensor's shard i and JAX's are the same rows.
-    by_process = {d.process_index: d for d in jax.devices()}
+    devices = jax.devices()
+    if len(devices) != len(ranks):  # which device a process meant would be a guess
+        raise _errors.jax_devices_per_process(devices, len(ranks))
+    by_process = {d.process_index: d for d in devices}
     jax_mesh = jax.sharding.Mesh(np.array([by_process[r] for r in ranks]), (axis,))
     size = mesh.size()
     dims, casts, reduces, parameters = [], [], [], {}
@@ -285,6 +288,8 @@ def start_jax_distributed(device_type: str) -> None:
     if jax.distributed.is_initialized():
         if jax.process_count() != dist.get_world_size():
             raise _errors.jax_world_mismatch(jax.process_count(), dist.get_world_size())
+        if jax.process_index() != dist.get_rank():
+            raise _errors.jax_process_mismatch(jax.process_index(), dist.get_rank())
         return
     if _backends_started():
         raise _errors.jax_backends_started()

@@ -112,3 +112,17 @@ def test_nnx_partition_spec_names_count_as_names():
     names = dict(zip(m._adapter.names, (n for _, _, n in m._shard_targets(RULES)),
                      strict=True))
     assert names["down.kernel"] == (None, "shard") and names["up.bias"] == (None,)
+
+
+@pytest.mark.parametrize("spec, want", [
+    (P(("shard",), None), ("shard", None)),  # one axis in a tuple: that axis
+    (P(("shard", "x"), None), None),  # several: nothing a one-axis mesh can follow
+])
+def test_nnx_partition_spec_entries_of_several_axes_give_no_names(spec, want):
+    with nnx.use_eager_sharding(False):
+        layer = nnx.Linear(4, 8, kernel_init=nnx.with_partitioning(init, spec),
+                           rngs=nnx.Rngs(0))
+    m = FlaxModule(layer)
+    names = dict(zip(m._adapter.names, (n for _, _, n in m._shard_targets(RULES)),
+                     strict=True))
+    assert names["kernel"] == want

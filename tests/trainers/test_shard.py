@@ -21,7 +21,10 @@ and ``torch.func`` are refused by name; a deep copy stays sharded; and
 """
 
 import math
+import os
 import socket
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -233,6 +236,39 @@ def test_shard_after_jax_made_its_backends_says_how_to_order_it():
         assert not any(isinstance(p, DTensor) for p in m.parameters())
     finally:
         dist.destroy_process_group()
+
+
+_MANY_DEVICES = """
+import os, socket, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import torch, torch.distributed as dist
+from tests.support.twins import ReadmeDeep
+from torchside import FlaxModule, shard
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+with torch.device("meta"):
+    m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
+try:
+    shard(m)
+    print("ran")
+except RuntimeError as e:
+    print(e)
+print("sharded" if m._caller.plan is not None else "unchanged")
+"""
+
+
+def test_shard_with_several_jax_devices_per_process_is_refused_by_name():
+    """Which of a process's devices holds its shards would be a guess (the JAX mesh took
+    one, the bridge another, and the call ran on the wrong one): refused by name."""
+    done = subprocess.run([sys.executable, "-c", _MANY_DEVICES], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300, env={**os.environ,
+                                                                 "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "JAX sees 2 devices over 1 process(es)" in out and "local_device_ids" in out, out
+    assert out.strip().endswith("unchanged"), out
 
 
 MP_WORKER = ROOT / "tests" / "support" / "mp_worker.py"
