@@ -85,8 +85,10 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         The module.
 
     Raises:
-        RuntimeError: torch.distributed is not initialized, or JAX's backends already
-            exist (JAX's distributed runtime must start first).
+        RuntimeError: torch.distributed is not initialized, JAX's backends already exist
+            (JAX's distributed runtime must start first), or a runtime started elsewhere
+            has another world, another process id than the rank, or several devices a
+            process.
         ValueError: the mesh is not one-dimensional or not over every rank, the module
             is already sharded, or a field of ``mp_policy`` is not supported (the module
             is left unchanged).
