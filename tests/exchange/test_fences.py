@@ -212,60 +212,6 @@ class TanhOut(nn.Module):
         return jnp.tanh(nn.Dense(self.width)(jnp.tanh(nn.Dense(self.width)(x))))
 
 
-@pytest.mark.parametrize("block", [MLP, TanhOut])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hook"])
-def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
-        hooked, compiled, block, monkeypatch):
-    """On the DLPack route the backward reuses the forward's arrays (above), which torch's
-    memory over them owns (``own_arrays``): alive until the backward frees what it saved,
-    never beyond it (the user's loss outlives the step), and gone at once where a
-    saved-tensor hook saved something else (it may move a tensor off the device to free
-    it)."""
-    made = []  # weak references to the arrays each program run returned
-    run = bridge_exchange.DlpackExchange.run
-
-    def recorded(self, name, program, *args):
-        arrays, tensors = run(self, name, program, *args)
-        made.extend((name, weakref.ref(a)) for a in arrays)
-        return arrays, tensors
-
-    monkeypatch.setattr(bridge_exchange.DlpackExchange, "run", recorded)
-    previous = bridge.set_exchange_mode("dlpack")
-    try:
-        m = FlaxModule(block(16), example_args=(torch.zeros(8, 16),), residuals="save")
-        call = torch.compile(m, fullgraph=True) if compiled else m
-        x = torch.randn(8, 16)
-        call(x).sum().backward()  # compiled and traced before anything is recorded
-        made.clear()
-        with jax.default_device(jax.devices("cpu")[0]):  # where the module runs (no TF32)
-            values = [jnp.asarray(p.detach().numpy()) for p in m.parameters()]
-            ref = block(16).apply(pipeline.variables_from(m, values), jnp.asarray(x.numpy()))
-        hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
-                 if hooked else contextlib.nullcontext())
-        with hooks:
-            y = call(x)
-        forward = [r for name, r in made if name == "forward_with_residuals"]
-        # Alive before the backward, but the output's (whose memory the user holds).
-        live = sum(r() is not None and r().unsafe_buffer_pointer() != y.data_ptr()
-                   for r in forward)
-        y.sum().backward()
-        close(y, ref, "the output")
-        assert [name for name, _ in made] == ["forward_with_residuals"] * len(forward) + [
-            "backward"] * (len(made) - len(forward))
-        # What outlives the backward is the output's array only (the user holds ``y``,
-        # whose memory it is: a saved output's, or the output a hook never saw).
-        left = [r() for r in forward if r() is not None]
-        assert all(a.unsafe_buffer_pointer() == y.data_ptr() for a in left), (
-            "the forward's arrays outlived its backward")
-        if hooked:  # the clones are what torch saved: the originals' memory must go
-            assert live == 0
-        else:  # the positive control: torch's saved residuals hold them until the backward
-            assert live > 0
-    finally:
-        bridge.set_exchange_mode(previous)
-
-
 def _recording(monkeypatch) -> list:
     """Per program run on the DLPack route, its name and weak references to its arrays."""
     made = []
@@ -284,69 +230,108 @@ def _alive(refs) -> int:
     return sum(r() is not None for r in refs)
 
 
+@pytest.mark.parametrize("block", [MLP, TanhOut])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_a_graph_dropped_without_its_backward_lets_its_arrays_go(compiled, monkeypatch):
-    """An evaluation with gradients on drops each graph unrun: its arrays go with it."""
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hook"])
+def test_the_forwards_arrays_live_until_the_backward_unless_a_hook_moves_them(
+        route, hooked, compiled, block, monkeypatch):
+    """On the DLPack route the backward reuses the forward's arrays (above), which torch's
+    memory over them owns (``own_arrays``): alive until the backward frees what it saved,
+    never beyond it (the user's loss outlives the step), and gone at once where a
+    saved-tensor hook saved something else (it may move a tensor off the device to free
+    it)."""
+    device = route
     made = _recording(monkeypatch)
-    previous = bridge.set_exchange_mode("dlpack")
-    try:
-        m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
-        call = torch.compile(m, fullgraph=True) if compiled else m
-        x = torch.randn(8, 16)
-        call(x).sum().backward()
-        made.clear()
+    m = FlaxModule(block(16), example_args=(torch.zeros(8, 16),), residuals="save").to(device)
+    call = torch.compile(m, fullgraph=True) if compiled else m
+    x = torch.randn(8, 16, device=device)
+    call(x).sum().backward()  # compiled and traced before anything is recorded
+    made.clear()
+    with jax.default_device(jax.devices("cpu")[0]):  # the reference on the CPU (no TF32)
+        values = [jnp.asarray(p.detach().cpu().numpy()) for p in m.parameters()]
+        ref = block(16).apply(pipeline.variables_from(m, values),
+                              jnp.asarray(x.cpu().numpy()))
+    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+             if hooked else contextlib.nullcontext())
+    with hooks:
         y = call(x)
-        (name, first), = made
-        assert name == "forward_with_residuals" and _alive(first)  # the graph may run
-        del y
-        assert not _alive(first), "a dropped graph's arrays outlived it"
-    finally:
-        bridge.set_exchange_mode(previous)
+    forward = [r for name, refs in made if name == "forward_with_residuals"
+               for r in refs]
+    # Alive before the backward, but the output's (whose memory the user holds).
+    live = sum(r() is not None and r().unsafe_buffer_pointer() != y.data_ptr()
+               for r in forward)
+    y.sum().backward()
+    close(y, ref, "the output")
+    assert [name for name, _ in made] == ["forward_with_residuals", "backward"]
+    # What outlives the backward is the output's array only (the user holds ``y``,
+    # whose memory it is: a saved output's, or the output a hook never saw).
+    left = [r() for r in forward if r() is not None]
+    assert all(a.unsafe_buffer_pointer() == y.data_ptr() for a in left), (
+        "the forward's arrays outlived its backward")
+    if hooked:  # the clones are what torch saved: the originals' memory must go
+        assert live == 0
+    else:  # the positive control: torch's saved residuals hold them until the backward
+        assert live > 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_graph_dropped_without_its_backward_lets_its_arrays_go(
+        route, compiled, monkeypatch):
+    """An evaluation with gradients on drops each graph unrun: its arrays go with it."""
+    device = route
+    made = _recording(monkeypatch)
+    m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save").to(device)
+    call = torch.compile(m, fullgraph=True) if compiled else m
+    x = torch.randn(8, 16, device=device)
+    call(x).sum().backward()
+    made.clear()
+    y = call(x)
+    (name, first), = made
+    assert name == "forward_with_residuals" and _alive(first)  # the graph may run
+    del y
+    assert not _alive(first), "a dropped graph's arrays outlived it"
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_checkpointed_blocks_hold_no_arrays_between_forward_and_backward(
-        compiled, monkeypatch):
+        route, compiled, monkeypatch):
     """``torch.utils.checkpoint`` (non-reentrant) keeps no block's residuals: nor may the
     arrays under them stay, eager or inside a compiled graph (where no saved-tensor hook
     is active when the op runs). Gradients equal the same blocks unchecked."""
     from torch.utils.checkpoint import checkpoint
 
+    device = route
     made = _recording(monkeypatch)
-    previous = bridge.set_exchange_mode("dlpack")
-    try:
-        blocks = [FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals="save")
-                  for _ in range(3)]
+    blocks = [FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),),
+                         residuals="save").to(device) for _ in range(3)]
 
-        def net(x, checked):
-            for b in blocks:
-                x = checkpoint(b, x, use_reentrant=False) if checked else b(x)
-            return x
+    def net(x, checked):
+        for b in blocks:
+            x = checkpoint(b, x, use_reentrant=False) if checked else b(x)
+        return x
 
-        run = torch.compile(net, fullgraph=True) if compiled else net
-        x = torch.randn(8, 16, requires_grad=True)
-        ct = torch.randn(8, 16)
-        grads = []
-        for checked in (False, True):
-            run(x, checked).backward(ct)  # compiled and traced first
-            for t in [x, *(p for b in blocks for p in b.parameters())]:
-                t.grad = None
-            made.clear()
-            y = run(x, checked)
-            forwards = [refs for name, refs in made if name == "forward_with_residuals"]
-            assert len(forwards) == len(blocks)
-            live = [_alive(refs) for refs in forwards]
-            y.backward(ct)
-            grads.append([t.grad.clone() for t in
-                          [x, *(p for b in blocks for p in b.parameters())]])
-            if checked:
-                assert live == [0] * len(blocks), live
-            else:  # the positive control: unchecked, each block holds its residuals
-                assert all(live), live
-        for a, b in zip(*grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)  # one XLA program, same inputs
-    finally:
-        bridge.set_exchange_mode(previous)
+    run = torch.compile(net, fullgraph=True) if compiled else net
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    ct = torch.randn(8, 16, device=device)
+    grads = []
+    for checked in (False, True):
+        run(x, checked).backward(ct)  # compiled and traced first
+        for t in [x, *(p for b in blocks for p in b.parameters())]:
+            t.grad = None
+        made.clear()
+        y = run(x, checked)
+        forwards = [refs for name, refs in made if name == "forward_with_residuals"]
+        assert len(forwards) == len(blocks)
+        live = [_alive(refs) for refs in forwards]
+        y.backward(ct)
+        grads.append([t.grad.clone() for t in
+                      [x, *(p for b in blocks for p in b.parameters())]])
+        if checked:
+            assert live == [0] * len(blocks), live
+        else:  # the positive control: unchecked, each block holds its residuals
+            assert all(live), live
+    for k, (a, b) in enumerate(zip(*grads, strict=True)):
+        close(a, b, f"gradient {k} checkpointed against unchecked")
 
 
 # -- a call that only its fence can order ---------------------------------------------------
