@@ -48,7 +48,8 @@ def _train_step(model, batch: int, width: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
 def test_deleted_models_free_their_memory_and_jax_arrays(compiled):
-    """3 models of 64 MiB: after del, RSS is back within a few MiB and no JAX array is left."""
+    """3 models of 64 MiB, twice: after each del no JAX array is left and the process holds
+    less than one model's memory more than before (a leak keeps 3 x 64 MiB a round)."""
     if compiled:
         torch._dynamo.reset()
 
@@ -64,12 +65,20 @@ def test_deleted_models_free_their_memory_and_jax_arrays(compiled):
     make()  # warm up: first-use allocations of torch, JAX and Inductor are not ours
     gc.collect()
     base_rss, base_arrays = _rss(), len(jax.live_arrays())
-    models = [make() for _ in range(3)]
-    assert _rss() - base_rss > 150 * MIB  # the parameters are really there
-    del models
-    gc.collect()
-    assert len(jax.live_arrays()) == base_arrays
-    assert _rss() - base_rss < 16 * MIB
+    after = []
+    for _ in range(2):
+        with torch._dynamo.config.patch(recompile_limit=64):  # a recompile per new model
+            models = [make() for _ in range(3)]
+        assert _rss() - base_rss > 150 * MIB  # the parameters are really there
+        del models
+        gc.collect()
+        assert len(jax.live_arrays()) == base_arrays
+        after.append(_rss())
+    # Each round leaves less than one model's 64 MiB of parameters: not one is kept. (What
+    # a round does leave, 4 to 18 MiB measured, is torch.compile's code and guards for each
+    # new module object, and allocator slack.)
+    assert after[0] - base_rss < 48 * MIB
+    assert after[1] - after[0] < 48 * MIB
 
 
 def test_hand_sgd_over_four_batch_sizes_keeps_at_most_one_old_copy(exchange):
