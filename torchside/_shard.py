@@ -54,7 +54,7 @@ import torch.utils._pytree as pytree
 
 import bridge as bi
 from flaxside.internal import OnMesh
-from torchside import _errors
+from torchside import _errors, _shard_errors
 
 DEFAULT_AXIS = "shard"
 
@@ -113,17 +113,17 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
     where = module._where
     precision = _precision(mp_policy, where)
     if not dist.is_available() or not dist.is_initialized():
-        raise _errors.shard_without_process_group(where)
+        raise _shard_errors.shard_without_process_group(where)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     if mesh.ndim != 1:
-        raise _errors.mesh_not_1d(where, mesh)
+        raise _shard_errors.mesh_not_1d(where, mesh)
     ranks = [int(r) for r in mesh.mesh.tolist()]
     if sorted(ranks) != list(range(dist.get_world_size())):
-        raise _errors.mesh_not_every_rank(where, ranks, dist.get_world_size())
+        raise _shard_errors.mesh_not_every_rank(where, ranks, dist.get_world_size())
     targets = module._shard_targets(axis_rules)  # refuses a module already sharded
     start_jax_distributed(mesh.device_type)
     axis = (mesh.mesh_dim_names or (DEFAULT_AXIS,))[0]
@@ -131,7 +131,7 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
     # start_jax_distributed), so that DTensor's shard i and JAX's are the same rows.
     devices = jax.devices()
     if len(devices) != len(ranks):  # which device a process meant would be a guess
-        raise _errors.jax_devices_per_process(devices, len(ranks))
+        raise _shard_errors.jax_devices_per_process(devices, len(ranks))
     by_process = {d.process_index: d for d in devices}
     jax_mesh = jax.sharding.Mesh(np.array([by_process[r] for r in ranks]), (axis,))
     size = mesh.size()
@@ -289,12 +289,12 @@ def start_jax_distributed(device_type: str) -> None:
     """Brings up JAX's distributed runtime with torch.distributed's ranks (once)."""
     if jax.distributed.is_initialized():
         if jax.process_count() != dist.get_world_size():
-            raise _errors.jax_world_mismatch(jax.process_count(), dist.get_world_size())
+            raise _shard_errors.jax_world_mismatch(jax.process_count(), dist.get_world_size())
         if jax.process_index() != dist.get_rank():
-            raise _errors.jax_process_mismatch(jax.process_index(), dist.get_rank())
+            raise _shard_errors.jax_process_mismatch(jax.process_index(), dist.get_rank())
         return
     if _backends_started():
-        raise _errors.jax_backends_started()
+        raise _shard_errors.jax_backends_started()
     if device_type == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     port = [_free_port() if dist.get_rank() == 0 else None]

@@ -7,7 +7,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 
 import bridge
-from torchside import _errors
+from torchside import _errors, _shard_errors
 
 
 class FlaxScope(torch.nn.Module):
@@ -262,7 +262,7 @@ class FlaxVariables:
             ValueError: the module is already sharded.
         """
         if self._caller.plan is not None:
-            raise _errors.already_sharded(self._caller.where)
+            raise _shard_errors.already_sharded(self._caller.where)
         names = self._adapter.partition_names(axis_rules)
         return [((scope._parameters if p else scope._buffers)[name], p, n)
                 for (scope, name, p), n in zip(self._refs, names, strict=True)]
