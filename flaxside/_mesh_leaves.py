@@ -18,7 +18,8 @@ class ProgramLeaf(NamedTuple):
 
     Attributes:
         source: the leaf as the program received it (a parameter's float32 shards).
-        dim: the dimension it is sharded on over the mesh's axis, or ``None``.
+        dim: the dimension it is split on over the mesh's batch axes, or ``None``:
+            replicated, or sharded over another axis too (left to XLA's partitioner).
         dtype: the dtype the function reads it in (``None``: the source's).
         reduce: the dtype its gradient is to be summed over the ranks in (``None``: as
             computed; NOTE [Mixed precision]).

@@ -23,6 +23,7 @@ from flaxside._leaves import (
     split_to,
     wrap_keys,
 )
+from flaxside._specs import spec_axes
 
 jtu = jax.tree_util
 
@@ -136,17 +137,17 @@ def partition_metadata(variable: nnx.Variable) -> tuple[str, tuple] | None:
 
 
 def sharding_names(variable: nnx.Variable) -> tuple[str, tuple] | None:
-    """``partition_metadata``, each dimension one name or ``None``; else ``None``.
+    """``partition_metadata``, each dimension a name, a tuple of names, or ``None``.
 
-    A dimension over several axes (``P(("embed", "x"))``) says nothing a one-axis mesh can
-    follow: no names, as for a sharding object (the FSDP-style choice applies).
+    A tuple of one name is that name; one of several (``P(("fsdp", "tensor"))``) shards
+    the dimension over each. ``None``: no names.
     """
     found = partition_metadata(variable)
     if found is None:
         return None
     key, names = found
-    names = tuple(n[0] if isinstance(n, tuple | list) and len(n) == 1 else n for n in names)
-    return None if any(isinstance(n, tuple | list) for n in names) else (key, names)
+    return key, tuple(n[0] if isinstance(n, tuple | list) and len(n) == 1
+                      else tuple(n) if isinstance(n, list) else n for n in names)
 
 
 class NNXAdapter(Leaves):
@@ -212,8 +213,14 @@ class NNXAdapter(Leaves):
         for logical, mesh_axis in axis_rules or ():
             rules.setdefault(logical, mesh_axis)
 
+        def mesh_axes(entry):
+            if isinstance(entry, tuple):  # several names: each mapped, rules' tuples spread
+                axes = tuple(a for n in entry for a in spec_axes(rules.get(n, n)))
+                return None if not axes else axes[0] if len(axes) == 1 else axes
+            return rules.get(entry, entry)
+
         def mesh_names(names):
-            return None if names is None else tuple(rules.get(n, n) for n in names)
+            return None if names is None else tuple(mesh_axes(n) for n in names)
 
         return ([mesh_names(n) for n in self._param_names]
                 + [None] * (len(self.names) - self._n_params))

@@ -26,8 +26,9 @@ program holds no collective and never asks which partition it is, and the trace 
 rank's rows is the same program but for the batch's size (``same_up_to_batch``): then
 every rank runs, on its own rows, what the partitioner would have run, which is what
 ``shard_map`` runs. Otherwise the partitioner's route stays (``plan`` returns ``None``), as
-it does for a leaf sharded on a layer axis or a carry leaf the mesh does not divide on its
-first dimension.
+it does for a leaf sharded on a layer axis, a carry leaf the mesh does not divide on its
+first dimension, or a mesh with an axis of more than one process that is not the batch's
+(a tensor axis: a layer's contractions over it need reductions of their own).
 
 Only a per-rank stack sums a gradient in another dtype than it is computed in (FSDP2's
 ``reduce_dtype``, ``OnMesh.reduce``): a program whose function reads such a leaf anywhere
@@ -94,9 +95,11 @@ def plan(layer_fn: Callable, placement, found: list, sources: list, treedef, n_l
     ``found``: per parameter leaf its ``ProgramLeaf`` or ``None`` (replicated, or not one of
     the program's leaves); ``sources``: the leaves the stack runs on, of ``treedef``.
     """
+    if len(placement.batch_axes) != 1 or not placement.batch_only:
+        return None  # a tensor axis: a layer would need its own reductions over it
     if any(f is not None and f.dim is not None and f.dim < n_layout for f in found):
         return None  # a leaf sharded on a layer axis: a layer lives on one rank
-    n, axis = placement.size, placement.axis
+    n, axis = placement.size, placement.batch_axes[0]
     dims = [None if f is None or f.dim is None else f.dim - n_layout for f in found]
     reads = [None if f is None else f.dtype for f in found]
     param_specs = [P(*(axis if k == f.dim else None for k in range(np.ndim(x))))

@@ -10,26 +10,30 @@ process holds (``local_spec``):
 * ``OnDevice(device)``: everything on one device (``None``: JAX's default placement).
   Local and traced specs are the same; small arrays cross packed, one buffer per dtype
   (``_pack.py``); an executable is the compiled program itself.
-* ``OnMesh(mesh, axis, dims, batch)``: an SPMD program over a one-axis mesh of processes,
-  one device each (NOTE [SPMD programs] below). Traced specs are global; each process
-  passes its local shards and receives its own.
+* ``OnMesh(mesh, batch_axes, specs, batch)``: an SPMD program over a mesh of processes of
+  one or more axes, one device each (NOTE [SPMD programs] below). Traced specs are global;
+  each process passes its local shards and receives its own.
 
 NOTE [SPMD programs]. A block sharded over processes runs as one SPMD program: parameters
-are sharded over the mesh axis, the batch too, and XLA's partitioner inserts the
-collectives, inside a scan one layer's gather per iteration.
+are sharded as their ``PartitionSpec`` says, the batch over the batch axes (FSDP's; on a
+mesh with a tensor axis, the ranks along it see the same rows, as tensor parallelism
+needs), and XLA's partitioner inserts the collectives, inside a scan one layer's gather per
+iteration.
 
 * an executable takes the local arrays, makes each the process's shard of a global array
   (``jax.make_array_from_single_device_arrays``, no copy), runs, and returns each result's
   local shard (``addressable_data(0)``);
-* results whose leading dimension is the global batch are sharded over the axis on it,
+* results whose leading dimension is the global batch are split over the batch axes on it,
   every other result (a loss, state updates) is replicated; gradients have their leaf's
   sharding; residuals take the sharding the partitioner chose, read from the compiled
   forward (``residual_shardings``);
 * gradients of what is not sharded over the batch (parameters, state) follow FSDP's mean:
   the contributions of batch-sharded outputs, whose cotangents are each process's own
-  loss, are divided by the number of processes, as FSDP2 and DDP average the ranks'
-  gradients; replicated outputs (a loss computed inside) are one loss, already global,
-  and are not divided. Gradients of batch-sharded inputs are each process's own;
+  loss, are divided by the number of processes that split the batch, as FSDP2 and DDP
+  average the ranks' gradients (a tensor axis's ranks compute one loss together);
+  replicated outputs (a loss computed inside) are one loss, already global, and are not
+  divided. Gradients of batch-sharded inputs are each process's own (over a tensor axis,
+  summed over its ranks, as tensor parallelism's input gradients are);
 * small arrays are not packed into shared buffers: a buffer that concatenates arrays of
   different shardings would reshard them.
 
@@ -89,7 +93,7 @@ from flaxside._device import compiling_for
 from flaxside._mesh_leaves import TRACING, ProgramLeaf
 from flaxside._pack import Alone, pack_by_rank, pack_plan, sharded_by_dtype, unpack_by_rank
 from flaxside._per_rank import read_outside, refuse_unreduced
-from flaxside._specs import LeafSpec
+from flaxside._specs import LeafSpec, spec_axes
 
 jtu = jax.tree_util
 
@@ -133,20 +137,20 @@ class OnDevice:
     def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
         """Nothing to check: no leaf is summed over ranks (``OnMesh.check_reduced``)."""
 
-    def leaf_dims(self, n: int) -> tuple:
-        """Per leaf, the dimension sharded over the mesh: none here."""
+    def leaf_specs(self, n: int) -> tuple:
+        """Per leaf, its ``PartitionSpec`` over a mesh: none here."""
         return (None,) * n
 
-    def traced(self, local: LeafSpec, dim) -> LeafSpec:
+    def traced(self, local: LeafSpec, spec) -> LeafSpec:
         """The spec the bodies trace for an argument of spec ``local``: the same."""
         return local
 
-    def sharding(self, ndim: int, dim=None):
+    def sharding(self, spec=None):
         """Where an array lives: the device (``None``: JAX decides)."""
         return None if self.device is None else SingleDeviceSharding(self.device)
 
-    def result_dims(self, traced_out, n_out: int, traced_specs) -> tuple:
-        """Per result, the dimension sharded over the mesh: none here."""
+    def result_specs(self, traced_out, n_out: int, traced_specs) -> tuple:
+        """Per result, its ``PartitionSpec`` over a mesh: none here."""
         return (None,) * len(traced_out)
 
     def pack_plan(self, avals, alone=None):
@@ -163,7 +167,7 @@ class OnDevice:
 
     def residual_shardings(self, compiled, n_results: int, count: int) -> list:
         """Where the forward's residuals live: the device."""
-        return [self.sharding(0)] * count
+        return [self.sharding()] * count
 
     def executable(self, compiled, in_avals) -> Callable[..., list]:
         """What the torch side calls: the compiled program itself, no wrapper."""
@@ -172,14 +176,15 @@ class OnDevice:
 
 @dataclasses.dataclass(frozen=True)
 class OnMesh:
-    """A one-axis mesh of processes, one device each (NOTE [SPMD programs]).
+    """A mesh of processes, one device each, of one or more axes (NOTE [SPMD programs]).
 
     Attributes:
         mesh: the JAX mesh, one device per process, in the order of torch's mesh (its
-            position i is process mesh.mesh[i]'s device: process id = torch rank).
-        axis: its axis name.
-        dims: per leaf, the dimension sharded over ``axis`` (``None``: replicated, every
-            process passes the whole value).
+            position (i, j) is process mesh.mesh[i, j]'s device: process id = torch rank).
+        batch_axes: the axes the batch is split over (FSDP's data-parallel axes); every
+            other axis (a tensor-parallel one) sees the same rows on each of its ranks.
+        specs: per leaf, its ``PartitionSpec`` over the mesh (``None``: replicated, every
+            process passes the whole value); entries of several axes in mesh order.
         batch: per leaf, whether it is a batch-sharded argument (its gradient is the
             process's own; every other leaf's gradient follows FSDP's mean).
         cast: per leaf, the dtype the function reads it in, or ``None`` (as passed);
@@ -191,16 +196,44 @@ class OnMesh:
     """
 
     mesh: jax.sharding.Mesh
-    axis: str
-    dims: tuple[int | None, ...]
+    batch_axes: tuple[str, ...]
+    specs: tuple
     batch: tuple[bool, ...]
     cast: tuple = ()
     reduce: tuple = ()
 
     @property
+    def axis(self):
+        """The batch axes as one ``PartitionSpec`` entry (a name, or a tuple of names)."""
+        return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
+
+    @property
     def size(self) -> int:
-        """How many processes share the axis."""
-        return self.mesh.shape[self.axis]
+        """How many processes split the batch (the product of the batch axes' sizes)."""
+        return int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
+
+    @property
+    def batch_only(self) -> bool:
+        """Whether every axis of more than one process is a batch axis (no tensor axis)."""
+        return all(n == 1 for a, n in self.mesh.shape.items() if a not in self.batch_axes)
+
+    def batch_dim(self, spec) -> int | None:
+        """The dimension a leaf of ``spec`` is split on over the batch axes and nothing else.
+
+        ``None`` where it is replicated or any of its dimensions is sharded otherwise
+        (over a tensor axis): such a leaf is left to XLA's partitioner.
+        """
+        if spec is None:
+            return None
+        sharded = [d for d, e in enumerate(spec) if spec_axes(e)]
+        if len(sharded) != 1 or spec_axes(spec[sharded[0]]) != self.batch_axes:
+            return None
+        return sharded[0]
+
+    def on_batch(self, ndim: int, dim=None) -> NamedSharding:
+        """An array of ``ndim`` dimensions split on ``dim`` over the batch axes (or replicated)."""
+        return self.sharding(None if dim is None else P(*(
+            self.axis if k == dim else None for k in range(ndim))))
 
     def compiling(self):
         """Lowerings take their placement from the avals' shardings."""
@@ -219,11 +252,12 @@ class OnMesh:
         casts = self.cast or (None,) * len(leaves)
         reduces = self.reduce or (None,) * len(leaves)
         read, known, reduced = [], {}, set()
-        for x, d, dtype, r in zip(leaves, self.dims, casts, reduces, strict=True):
+        for x, spec, dtype, r in zip(leaves, self.specs, casts, reduces, strict=True):
             cast = dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype)
             read.append(x.astype(dtype) if cast else x)
-            if d is not None or cast or r is not None:
-                known[id(read[-1])] = ProgramLeaf(x, d, dtype if cast else None, r)
+            if spec is not None or cast or r is not None:
+                known[id(read[-1])] = ProgramLeaf(x, self.batch_dim(spec),
+                                                  dtype if cast else None, r)
         token = TRACING.set((self, known, reduced))
         try:
             yield read
@@ -260,8 +294,8 @@ class OnMesh:
         for group in sharded_by_dtype(arrays, dims):
             buffer = pack_by_rank([arrays[k] for k in group], [dims[k] for k in group],
                                   self.size)
-            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2, 0))
-            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2))
+            buffer = jax.lax.with_sharding_constraint(buffer, self.on_batch(2, 0))
+            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding())
             parts = unpack_by_rank(buffer, [arrays[k].shape for k in group],
                                    [dims[k] for k in group], self.size)
             for k, part in zip(group, parts, strict=True):
@@ -281,41 +315,39 @@ class OnMesh:
         for group in sharded_by_dtype(grads, dims):
             buffer = pack_by_rank([grads[k] for k in group], [dims[k] for k in group],
                                   self.size)
-            buffer = jax.lax.with_sharding_constraint(buffer, self.sharding(2, 0))
+            buffer = jax.lax.with_sharding_constraint(buffer, self.on_batch(2, 0))
             parts = unpack_by_rank(buffer, [grads[k].shape for k in group],
                                    [dims[k] for k in group], self.size)
             for k, part in zip(group, parts, strict=True):
                 out[k] = jax.lax.with_sharding_constraint(
-                    part, self.sharding(part.ndim, dims[k]))
+                    part, self.on_batch(part.ndim, dims[k]))
         return [g if t is None else g.astype(t)
                 for g, t in zip(out, dtypes or [None] * len(out), strict=True)]
 
-    def leaf_dims(self, n: int) -> tuple:
-        """Per leaf, the dimension sharded over the axis."""
-        return self.dims
+    def leaf_specs(self, n: int) -> tuple:
+        """Per leaf, its ``PartitionSpec`` over the mesh (``None``: replicated)."""
+        return self.specs
 
-    def traced(self, local: LeafSpec, dim) -> LeafSpec:
-        """The global spec of a local argument sharded on ``dim``."""
-        if dim is None:
+    def traced(self, local: LeafSpec, spec) -> LeafSpec:
+        """The global spec of a local argument placed by ``spec``."""
+        if spec is None:
             return local
         shape = list(local.shape)
-        shape[dim] *= self.size
+        for d, entry in enumerate(spec):
+            for a in spec_axes(entry):
+                shape[d] *= self.mesh.shape[a]
         return dataclasses.replace(local, shape=tuple(shape))
 
-    def sharding(self, ndim: int, dim=None) -> NamedSharding:
-        """The sharding of an array of ``ndim`` dimensions sharded on ``dim`` (or replicated)."""
-        spec = [None] * ndim
-        if dim is not None:
-            spec[dim] = self.axis
-        return NamedSharding(self.mesh, P(*spec))
+    def sharding(self, spec=None) -> NamedSharding:
+        """The sharding of an array placed by ``spec`` (``None``: replicated)."""
+        return NamedSharding(self.mesh, P() if spec is None else spec)
 
-    def result_dims(self, traced_out, n_out: int, traced_specs) -> tuple:
-        """Outputs whose leading dimension is the global batch are sharded on it."""
-        batch = [s.shape[0] for s, d, b in zip(traced_specs, self.dims, self.batch, strict=True)
-                 if b and d == 0]
+    def result_specs(self, traced_out, n_out: int, traced_specs) -> tuple:
+        """Outputs whose leading dimension is the global batch are split on it."""
+        batch = [s.shape[0] for s, b in zip(traced_specs, self.batch, strict=True) if b]
         size = batch[0] if batch else None
-        return tuple(0 if k < n_out and size is not None and s.shape and s.shape[0] == size
-                     else None for k, s in enumerate(traced_out))
+        return tuple(P(self.axis) if k < n_out and size is not None and s.shape
+                     and s.shape[0] == size else None for k, s in enumerate(traced_out))
 
     def pack_plan(self, avals, alone=None):
         """Every array alone, one buffer each (NOTE [SPMD programs])."""

@@ -111,12 +111,11 @@ class Program(TracedBodies):
         self.precision = jax.config.jax_default_matmul_precision
         self.placement = placement = OnDevice() if placement is None else placement
         self.specs = tuple(specs)
-        dims = placement.leaf_dims(len(self.specs))
+        placed_by = placement.leaf_specs(len(self.specs))
         # What the bodies trace (over a mesh, global shapes) and where each leaf lives.
-        self._traced_specs = tuple(placement.traced(s, d)
-                                   for s, d in zip(self.specs, dims, strict=True))
-        self._in_shardings = tuple(placement.sharding(len(s.shape), d)
-                                   for s, d in zip(self._traced_specs, dims, strict=True))
+        self._traced_specs = tuple(placement.traced(s, p)
+                                   for s, p in zip(self.specs, placed_by, strict=True))
+        self._in_shardings = tuple(placement.sharding(p) for p in placed_by)
         self.diff_index = tuple(i for i, s in enumerate(self.specs) if s.diff)
         self.grad_pack, buffers = placement.pack_plan(
             [self._traced_specs[i] for i in self.diff_index])
@@ -124,7 +123,7 @@ class Program(TracedBodies):
         # A buffer of its own has its leaf's sharding; a packed buffer is on the one device.
         alone = {entry.buffer: self._in_shardings[i] for entry, i in
                  zip(self.grad_pack, self.diff_index, strict=True) if type(entry) is Alone}
-        self._grad_shardings = tuple(alone[b] if b in alone else placement.sharding(1)
+        self._grad_shardings = tuple(alone[b] if b in alone else placement.sharding()
                                      for b in range(len(grad_traced)))
         self.grad_specs = tuple(local_spec(s, sh) for s, sh in
                                 zip(grad_traced, self._grad_shardings, strict=True))
@@ -151,13 +150,12 @@ class Program(TracedBodies):
                      k < self.n_out and bool(m & diff_bits) and is_differentiable(o.dtype))
             for k, (o, m) in enumerate(zip(closed.out_avals, masks, strict=True))
         )
-        out_dims = placement.result_dims(self._traced_out, self.n_out, self._traced_specs)
-        self._out_shardings = tuple(placement.sharding(len(s.shape), d)
-                                    for s, d in zip(self._traced_out, out_dims, strict=True))
+        out_placed = placement.result_specs(self._traced_out, self.n_out, self._traced_specs)
+        self._out_shardings = tuple(placement.sharding(p) for p in out_placed)
         self.out_specs = tuple(local_spec(s, sh) for s, sh in
                                zip(self._traced_out, self._out_shardings, strict=True))
         self.diff_out_index = tuple(k for k, s in enumerate(self.out_specs) if s.diff)
-        self._sharded_diff_outputs = tuple(out_dims[k] is not None for k in self.diff_out_index)
+        self._sharded_diff_outputs = tuple(out_placed[k] is not None for k in self.diff_out_index)
         # One real scalar to differentiate (a loss) and a VJP linear in its cotangent:
         # value_and_grad applies, its gradients times a real cotangent being the VJP's.
         self.scalar_loss = len(self.diff_out_index) == 1 and (
@@ -185,7 +183,7 @@ class Program(TracedBodies):
         return [placed(s, sh) for s, sh in zip(specs, shardings, strict=True)]
 
     def _fence_avals(self) -> tuple:
-        return (placed(_FENCE, self.placement.sharding(1)),) if self.fence else ()
+        return (placed(_FENCE, self.placement.sharding()),) if self.fence else ()
 
     def _lower(self, body: Callable, *avals):
         with self.placement.compiling():

@@ -16,6 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def spec_axes(entry) -> tuple:
+    """The mesh axes of one ``PartitionSpec`` entry, as a tuple (``None``: none)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
     """Shape, dtype and whether a gradient is wanted, for one array leaf of a call."""

@@ -31,6 +31,7 @@ from flaxside._program import Program as Program
 from flaxside._specs import LeafSpec as LeafSpec
 from flaxside._specs import ResidualMap as ResidualMap
 from flaxside._specs import is_differentiable as is_differentiable
+from flaxside._specs import spec_axes as spec_axes
 
 __all__ = [
     "ARRAY",
@@ -56,6 +57,7 @@ __all__ = [
     "per_sample_norms_function",
     "per_sample_vjp_function",
     "program_report",
+    "spec_axes",
     "unpack",
     "vjp_function",
     "wrap_keys",

@@ -1,17 +1,21 @@
 """Blocks bigger than one device: a FlaxModule's parameters sharded over torch's ranks.
 
 NOTE [Sharded blocks]. ``shard(module, mesh)`` makes each floating parameter of a
-``FlaxModule`` a DTensor over a one-dimensional ``DeviceMesh`` (one rank per process):
-``Shard(dim)`` on the dimension Flax's partitioning metadata names for the mesh's axis
+``FlaxModule`` a DTensor over a ``DeviceMesh`` of one rank per process, of one dimension or
+of several named ones (``("fsdp", "tensor")``): on each mesh dimension, ``Shard(dim)`` on
+the dimension Flax's partitioning metadata names for that mesh axis
 (``nn.with_partitioning``, or ``nn.with_logical_partitioning`` with ``axis_rules``; in NNX,
-``nnx.with_partitioning``, whose names ``axis_rules`` maps where it has a rule), else,
-FSDP-style, on the last dimension that divides by the mesh size (scanned stacks keep their
-layer axes first, so each scan iteration gathers its own layer), else ``Replicate()``.
-Buffers stay plain tensors, the same on every rank.
+``nnx.with_partitioning``, whose names ``axis_rules`` maps where it has a rule), else
+``Replicate()``; a parameter without metadata, FSDP-style, on the last dimension that
+divides by the batch axes' size (scanned stacks keep their layer axes first, so each scan
+iteration gathers its own layer) over the batch axes, replicated over the others. The
+batch is split over ``batch_axes`` (the first mesh dimension by default, torch's ``("dp",
+"tp")`` order); the ranks along any other dimension see the same rows, as tensor
+parallelism needs. Buffers stay plain tensors, the same on every rank.
 
 A call then runs one SPMD program over JAX's distributed runtime (a ``flaxside`` program
 placed ``OnMesh``, NOTE [SPMD programs]): each rank passes its parameters' local shards and
-its local batch (every tensor argument is its rank's shard of the batch on dimension 0),
+its local batch (every tensor argument is its shard of the batch on dimension 0),
 XLA's partitioner gathers each layer's parameters inside the scan and reduces their
 gradients, and each rank receives its own rows of the outputs and its own shards of the
 gradients: the module reads each DTensor parameter through ``to_local()`` before the
@@ -42,6 +46,7 @@ backends, so build the model under ``torch.device("meta")`` (which starts none) 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 from typing import NamedTuple
@@ -51,15 +56,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from jax.sharding import PartitionSpec as P
 
 import bridge as bi
-from flaxside.internal import OnMesh
+from flaxside.internal import OnMesh, spec_axes
 from torchside import _errors, _shard_errors
 
 DEFAULT_AXIS = "shard"
 
 
-def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
+def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None):
     """Shards a ``FlaxModule``'s parameters over torch's ranks; its calls become SPMD.
 
     In the spirit of ``fully_shard``: in place, returning the module. See NOTE [Sharded
@@ -69,16 +75,23 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
         module: the ``FlaxModule``, best built under ``torch.device("meta")``; then
             ``to_empty(device=...)`` and ``reset_parameters()``, which initializes each
             rank's shards only.
-        mesh: a one-dimensional ``torch.distributed.DeviceMesh`` over every rank (not a
-            dimension of a larger mesh); ``None`` makes one over every rank, on the CPU
+        mesh: a ``torch.distributed.DeviceMesh`` over every rank (not a dimension of a
+            larger mesh): one-dimensional, or of several named dimensions (``("fsdp",
+            "tensor")``); ``None`` makes a one-dimensional one over every rank, on the CPU
             or, where CUDA is available, each rank's current GPU.
         axis_rules: Flax logical axis rules (``(("embed", "shard"), ...)``) for
             parameters made with ``nn.with_logical_partitioning`` (or an NNX factory's
             ``nnx.with_partitioning`` with logical names).
+        batch_axes: the mesh dimension (a name, or a tuple of names) the batch is split
+            over, FSDP's; ``None``: the mesh's first. On a mesh of two dimensions
+            (``("fsdp", "tensor")``) the ranks along the other see the same rows, as
+            tensor parallelism needs, and parameters are sharded over it only where
+            Flax's partitioning metadata names it.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as ``fully_shard``
             takes it; dtypes ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or
             ``None``. A ``reduce_dtype`` other than ``None`` or ``param_dtype`` needs the
-            parameters read only by ``flaxside.remat_stack`` layers run per rank; other
+            parameters read only by ``flaxside.remat_stack`` layers run per rank (on a
+            mesh whose every dimension of more than one rank splits the batch); other
             blocks refuse it at their first call.
 
     Returns:
@@ -89,9 +102,10 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
             (JAX's distributed runtime must start first), or a runtime started elsewhere
             has another world, another process id than the rank, or several devices a
             process.
-        ValueError: the mesh is not one-dimensional or not over every rank, the module
-            is already sharded, or a field of ``mp_policy`` is not supported (the module
-            is left unchanged).
+        ValueError: the mesh is not over every rank, has several dimensions and no names,
+            ``batch_axes`` names none of its dimensions, a parameter's partition names put
+            one mesh axis on two of its dimensions, the module is already sharded, or a
+            field of ``mp_policy`` is not supported (the module is left unchanged).
         TypeError: ``mp_policy`` is not a ``MixedPrecisionPolicy``.
 
     Example:
@@ -119,28 +133,33 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    if mesh.ndim != 1:
-        raise _shard_errors.mesh_not_1d(where, mesh)
-    ranks = [int(r) for r in mesh.mesh.tolist()]
-    if sorted(ranks) != list(range(dist.get_world_size())):
-        raise _shard_errors.mesh_not_every_rank(where, ranks, dist.get_world_size())
+    names = mesh.mesh_dim_names
+    if names is None:
+        if mesh.ndim != 1:
+            raise _shard_errors.mesh_unnamed(where, mesh)
+        names = (DEFAULT_AXIS,)
+    batch_axes = _batch_axes(batch_axes, tuple(names), where)
+    ranks = mesh.mesh.numpy()
+    if sorted(ranks.ravel().tolist()) != list(range(dist.get_world_size())):
+        raise _shard_errors.mesh_not_every_rank(where, ranks.ravel().tolist(),
+                                                dist.get_world_size())
     targets = module._shard_targets(axis_rules)  # refuses a module already sharded
+    sizes = dict(zip(names, mesh.shape, strict=True))  # in mesh order
+    specs = [_leaf_spec(name, tuple(t.shape), sizes, flax_names, batch_axes, where)
+             if is_param and (t.is_floating_point() or t.is_complex()) else None
+             for name, (t, is_param, flax_names) in zip(module._adapter.names, targets,
+                                                         strict=True)]
     start_jax_distributed(mesh.device_type)
-    axis = (mesh.mesh_dim_names or (DEFAULT_AXIS,))[0]
-    # Position i of the mesh is rank ranks[i], torch's and JAX's alike (process id = rank:
-    # start_jax_distributed), so that DTensor's shard i and JAX's are the same rows.
+    # Position (i, j) of the mesh is rank mesh.mesh[i, j], torch's and JAX's alike (process
+    # id = rank: start_jax_distributed), so that DTensor's shard (i, j) and JAX's are one.
     devices = jax.devices()
-    if len(devices) != len(ranks):  # which device a process meant would be a guess
-        raise _shard_errors.jax_devices_per_process(devices, len(ranks))
+    if len(devices) != ranks.size:  # which device a process meant would be a guess
+        raise _shard_errors.jax_devices_per_process(devices, ranks.size)
     by_process = {d.process_index: d for d in devices}
-    jax_mesh = jax.sharding.Mesh(np.array([by_process[r] for r in ranks]), (axis,))
-    size = mesh.size()
-    dims, casts, reduces, parameters = [], [], [], {}
-    for i, (t, is_param, flax_names) in enumerate(targets):
-        dim = None
-        if is_param and (t.is_floating_point() or t.is_complex()):
-            dim = _sharded_dim(tuple(t.shape), size, axis, flax_names)
-        dims.append(dim)
+    jax_mesh = jax.sharding.Mesh(
+        np.vectorize(by_process.__getitem__, otypes=[object])(ranks), tuple(names))
+    casts, reduces, parameters = [], [], {}
+    for i, ((t, is_param, _), spec) in enumerate(zip(targets, specs, strict=True)):
         # FSDP2 casts floating parameters of another dtype than param_dtype (_fsdp_param.py).
         casts.append(precision.param_dtype if is_param and t.is_floating_point()
                      and precision.param_dtype not in (None, t.dtype) else None)
@@ -150,19 +169,22 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None):
                        and precision.reduce_dtype not in (None, computed) else None)
         if not is_param:
             continue
-        placements = [Replicate()] if dim is None else [Shard(dim)]
+        axes = [spec_axes(e) for e in spec] if spec is not None else []
+        # Mesh dimension k shards the tensor dimension its axis names; entries are in mesh
+        # order, which is the order DTensor splits a dimension sharded twice in.
+        placements = [next((Shard(d) for d, a in enumerate(axes) if name in a), Replicate())
+                      for name in names]
         if t.device.type == "meta":
-            local_shape = list(t.shape)
-            if dim is not None:
-                local_shape[dim] //= size
+            local_shape = [n // math.prod(sizes[a] for a in a_d)
+                           for n, a_d in zip(t.shape, axes or [()] * t.dim(), strict=True)]
             value = DTensor.from_local(torch.empty(local_shape, dtype=t.dtype, device="meta"),
                                        mesh, placements, run_check=False, shape=t.shape,
                                        stride=t.stride())
         else:
             value = distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
         parameters[i] = torch.nn.Parameter(value, requires_grad=t.requires_grad)
-    on_mesh = OnMesh(jax_mesh, axis, (), ())
-    module._shard_with(ShardPlan(mesh, on_mesh, tuple(dims), *(tuple(
+    on_mesh = OnMesh(jax_mesh, batch_axes, (), ())
+    module._shard_with(ShardPlan(mesh, on_mesh, tuple(specs), *(tuple(
         None if c is None else bi.numpy_dtype(c) for c in column)
         for column in (casts, reduces))), parameters)
     if precision.param_dtype is not None and precision.cast_forward_inputs:
@@ -233,54 +255,84 @@ class CastFloating:
 
 
 class ShardPlan:
-    """What ``shard`` decided: the meshes, and per variable its sharded dimension.
+    """What ``shard`` decided: the meshes, and per variable its ``PartitionSpec``.
 
     Attributes:
         mesh: torch's ``DeviceMesh``.
-        on_mesh: the JAX side's ``flaxside.internal.OnMesh`` (its mesh and axis; the
-            leaves' dimensions are filled per call by ``placement``).
-        dims: per variable, the dimension sharded over the axis, or ``None``.
+        on_mesh: the JAX side's ``flaxside.internal.OnMesh`` (its mesh and batch axes; the
+            leaves' specs are filled per call by ``placement``).
+        specs: per variable, its ``PartitionSpec`` over the mesh, or ``None`` (replicated).
         casts: per variable, the dtype the program reads it in (``mp_policy``'s
             ``param_dtype``, as a numpy dtype), or ``None``.
         reduces: per variable, the dtype its gradient is summed over the ranks in
             (``mp_policy``'s ``reduce_dtype``, as a numpy dtype), or ``None``: as computed.
     """
 
-    __slots__ = ("mesh", "on_mesh", "dims", "casts", "reduces")
+    __slots__ = ("mesh", "on_mesh", "specs", "casts", "reduces")
 
-    def __init__(self, mesh, on_mesh: OnMesh, dims: tuple, casts: tuple = (),
+    def __init__(self, mesh, on_mesh: OnMesh, specs: tuple, casts: tuple = (),
                  reduces: tuple = ()):
-        self.mesh, self.on_mesh, self.dims = mesh, on_mesh, dims
-        self.casts = casts or (None,) * len(dims)
-        self.reduces = reduces or (None,) * len(dims)
+        self.mesh, self.on_mesh, self.specs = mesh, on_mesh, specs
+        self.casts = casts or (None,) * len(specs)
+        self.reduces = reduces or (None,) * len(specs)
 
     def placement(self, layout, arg_ndims) -> OnMesh:
         """Where a call's programs run (``OnMesh``), per leaf of ``layout``.
 
         Variables as planned, the RNG slot replicated, every tensor argument (but a 0-d
-        one) its rank's shard of the batch on dimension 0.
+        one) its rank's shard of the batch on dimension 0, split over the batch axes.
         """
-        args = [0 if ndim else None for ndim in arg_ndims]
-        dims = layout.of_leaves(self.dims, None, args)
-        batch = layout.of_leaves([False] * len(self.dims), False, [d is not None for d in args])
+        args = [P(self.on_mesh.axis) if ndim else None for ndim in arg_ndims]
+        specs = layout.of_leaves(self.specs, None, args)
+        batch = layout.of_leaves([False] * len(self.specs), False,
+                                 [s is not None for s in args])
         cast = layout.of_leaves(self.casts, None, [None] * len(args))
         reduce = layout.of_leaves(self.reduces, None, [None] * len(args))
-        return dataclasses.replace(self.on_mesh, dims=tuple(dims), batch=tuple(batch),
+        return dataclasses.replace(self.on_mesh, specs=tuple(specs), batch=tuple(batch),
                                    cast=tuple(cast), reduce=tuple(reduce))
 
-    def sharding(self, ndim: int, dim):
-        """The JAX sharding of a variable of ``ndim`` dimensions sharded on ``dim``."""
-        return self.on_mesh.sharding(ndim, dim)
+    def sharding(self, spec):
+        """The JAX sharding of a variable placed by ``spec`` (``None``: replicated)."""
+        return self.on_mesh.sharding(spec)
 
 
-def _sharded_dim(shape: tuple, size: int, axis: str, flax_names) -> int | None:
-    """The dimension a parameter is sharded on: Flax's metadata, else FSDP-style."""
+def _batch_axes(batch_axes, names: tuple, where: str) -> tuple:
+    """``shard``'s ``batch_axes`` as a tuple of mesh dimension names, in mesh order."""
+    if batch_axes is None:
+        return names[:1]
+    given = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    if (not isinstance(given, tuple | list) or not given
+            or any(a not in names for a in given) or len(set(given)) != len(given)):
+        raise _shard_errors.batch_axes_unknown(where, batch_axes, names)
+    return tuple(a for a in names if a in given)
+
+
+def _leaf_spec(name: str, shape: tuple, sizes: dict, flax_names, batch_axes: tuple,
+               where: str):
+    """A parameter's ``PartitionSpec`` over a mesh of ``sizes`` (axis: size, mesh order).
+
+    Flax's partitioning metadata where it has names (mesh axes after ``axis_rules``): each
+    dimension over the axes its entry names that the mesh has, in mesh order, none where
+    their product does not divide it. Without metadata, FSDP-style: the last dimension
+    that divides by the batch axes' product, over them. ``None``: replicated.
+    """
     if flax_names is not None:
-        dims = [d for d, n in enumerate(flax_names) if n == axis]
-        return dims[0] if dims and shape[dims[0]] % size == 0 else None
+        entries, seen = [], set()
+        for d, entry in enumerate(flax_names):
+            axes = tuple(a for a in sizes if a in spec_axes(entry))
+            for a in axes:
+                if a in seen:
+                    raise _shard_errors.axis_on_two_dims(where, name, tuple(flax_names), a)
+                seen.add(a)
+            if axes and shape[d] % math.prod(sizes[a] for a in axes):
+                axes = ()
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*entries) if any(e is not None for e in entries) else None
+    n = math.prod(sizes[a] for a in batch_axes)
     for d in reversed(range(len(shape))):
-        if shape[d] % size == 0 and shape[d] >= size:
-            return d
+        if shape[d] % n == 0 and shape[d] >= n:
+            return P(*((batch_axes[0] if len(batch_axes) == 1 else batch_axes)
+                       if k == d else None for k in range(len(shape))))
     return None
 
 

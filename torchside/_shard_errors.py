@@ -16,23 +16,44 @@ def shard_without_process_group(where: str) -> RuntimeError:
     )
 
 
-def mesh_not_1d(where: str, mesh) -> ValueError:
-    """A mesh of several dimensions."""
+def mesh_unnamed(where: str, mesh) -> ValueError:
+    """A mesh of several dimensions without names."""
     return ValueError(
-        f"shard({where}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; a block is "
-        f"sharded over one. Pass a one-dimensional DeviceMesh over every rank, e.g. "
-        f"init_device_mesh('cuda', (world_size,))."
+        f"shard({where}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)} and no "
+        f"names; a mesh of several dimensions needs them (they say which dimension the "
+        f"batch is split over and which names Flax's partitioning metadata means). Build "
+        f"it with names, e.g. init_device_mesh('cuda', (2, 2), "
+        f"mesh_dim_names=('fsdp', 'tensor'))."
+    )
+
+
+def batch_axes_unknown(where: str, batch_axes, names) -> ValueError:
+    """``batch_axes`` naming no dimension of the mesh, or none at all."""
+    return ValueError(
+        f"shard({where}): batch_axes={batch_axes!r}, but the mesh's dimensions are "
+        f"{tuple(names)}; batch_axes names the dimensions the batch is split over (FSDP's), "
+        f"one or more of those. Pass e.g. batch_axes={names[0]!r}, or None for the first."
+    )
+
+
+def axis_on_two_dims(where: str, name: str, names: tuple, axis: str) -> ValueError:
+    """Partition names that put one mesh axis on two dimensions of a parameter."""
+    return ValueError(
+        f"shard({where}): parameter {name!r} has partition names {names} (mesh axes after "
+        f"axis_rules), which shard two of its dimensions over the mesh axis {axis!r}; an "
+        f"axis shards one dimension. Name {axis!r} for one dimension in its "
+        f"nn.with_partitioning / nn.with_logical_partitioning (or in axis_rules)."
     )
 
 
 def mesh_not_every_rank(where: str, ranks: list, world: int) -> ValueError:
-    """A one-dimensional mesh over some ranks only (a dimension of a larger mesh)."""
+    """A mesh over some ranks only (a dimension of a larger mesh)."""
     return ValueError(
         f"shard({where}): mesh is over ranks {ranks} of a world of {world}; a block is "
-        f"sharded over every rank (one JAX program spans all processes). Pass a "
-        f"one-dimensional DeviceMesh over all {world} ranks, e.g. "
-        f"init_device_mesh('cuda', ({world},)); meshes of two dimensions, and their "
-        f"sub-meshes, are not supported yet."
+        f"sharded over every rank (one JAX program spans all processes). Pass the whole "
+        f"DeviceMesh, over all {world} ranks, e.g. init_device_mesh('cuda', ({world},)) or "
+        f"a mesh of two named dimensions whose first splits the batch; a dimension of a "
+        f"larger mesh (mesh['tp']) is not supported."
     )
 
 

@@ -217,8 +217,7 @@ class FlaxVariables:
             raise _errors.reset_on_meta(where)
         plan = self._caller.plan
         if plan is not None:  # each rank computes its own shards only
-            shardings = [plan.sharding(t.dim(), d) for d, t in zip(plan.dims, targets,
-                                                                    strict=True)]
+            shardings = [plan.sharding(spec) for spec in plan.specs]
             values = self._initializer.sharded_values(
                 self._adapter.treedef.unflatten(shardings))
             leaves = [x.addressable_data(0) for x in self._adapter.leaf_values(values)]

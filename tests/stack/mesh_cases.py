@@ -50,6 +50,11 @@ def _fsdp_dim(shape):
     return None
 
 
+def _spec(ndim: int, dim):
+    """The ``PartitionSpec`` of an array of ``ndim`` dimensions sharded over "s" on ``dim``."""
+    return None if dim is None else P(*("s" if k == dim else None for k in range(ndim)))
+
+
 def _programs(fn, leaves, batch_leaves: int, dims=None, diff=None, **precision):
     """The program ``OnMesh`` (local specs) and on one device, and the leaves' dims.
 
@@ -73,7 +78,8 @@ def _programs(fn, leaves, batch_leaves: int, dims=None, diff=None, **precision):
         return LeafSpec(tuple(shape), np.dtype(x.dtype), g)
 
     sharded = Program(fn, [local(x, d, g) for x, d, g in zip(leaves, dims, diff, strict=True)],
-                      placement=OnMesh(mesh, "s", dims, batch, **precision))
+                      placement=OnMesh(mesh, ("s",), tuple(_spec(x.ndim, d) for x, d in zip(
+                          leaves, dims, strict=True)), batch, **precision))
     whole = Program(fn, [LeafSpec(x.shape, np.dtype(x.dtype), True) for x in leaves])
     placed = [jax.device_put(x, NamedSharding(mesh, P(*[("s" if k == d else None)
                                                          for k in range(x.ndim)])))

@@ -116,9 +116,9 @@ def test_nnx_partition_spec_names_count_as_names():
 
 @pytest.mark.parametrize("spec, want", [
     (P(("shard",), None), ("shard", None)),  # one axis in a tuple: that axis
-    (P(("shard", "x"), None), None),  # several: nothing a one-axis mesh can follow
+    (P(("shard", "x"), None), (("shard", "x"), None)),  # several: that dimension over each
 ])
-def test_nnx_partition_spec_entries_of_several_axes_give_no_names(spec, want):
+def test_nnx_partition_spec_entries_of_several_axes_are_kept(spec, want):
     with nnx.use_eager_sharding(False):
         layer = nnx.Linear(4, 8, kernel_init=nnx.with_partitioning(init, spec),
                            rngs=nnx.Rngs(0))

@@ -107,3 +107,33 @@ def route_fixture(routes=ALL_ROUTES):
             yield device
 
     return route
+
+
+def close_dicts(got: dict, want: dict, what: str) -> None:
+    """Each tensor of ``got`` within 1e-5 of ``want``'s, relative to its largest element
+    (float32, two partitionings of one sum)."""
+    assert set(got) == set(want), what
+    for name, value in want.items():  # float32, two partitionings of one sum: scaled
+        torch.testing.assert_close(got[name], value, rtol=1e-5,
+                                   atol=1e-6 * float(value.abs().max()),
+                                   msg=lambda m, name=name: f"{what}, {name}: {m}")
+
+
+def close_steps(got: dict, want: dict, initial: dict, share: float, what: str,
+                untrained: tuple = ("key.bias",)) -> None:
+    """Each parameter's update within ``share`` of the largest element of ``want``'s.
+
+    Plus 1e-6 (1e-3 of the learning rate): attention's key bias has a gradient of zero (it
+    adds one constant to a query's logits, which softmax ignores), so its AdamW updates
+    are rounding noise scaled up, about 5e-7 here; it is the one parameter left untrained
+    (names ending in one of ``untrained``).
+    """
+    assert set(got) == set(want) and len(want) > 8, what
+    floor = 1e-6
+    for name, value in want.items():
+        step = value - initial[name]
+        scale = float(step.abs().max())
+        assert scale > floor or name.endswith(untrained), f"{what}: {name} did not train"
+        torch.testing.assert_close(got[name] - initial[name], step, rtol=0,
+                                   atol=share * scale + floor,
+                                   msg=lambda m, name=name: f"{what}, {name}: {m}")

@@ -1,4 +1,4 @@
-"""Runs a worker script as a single-process reference and as 2 gloo ranks (DDP, FSDP2).
+"""Runs a worker script as a single-process reference and as gloo ranks (DDP, FSDP2, shard).
 
 Output goes to files, not pipes: a worker blocked on a full pipe while the test waits on
 the other one hangs both (seen once under load). The reference runs first, alone: three
@@ -34,12 +34,21 @@ def run_two_ranks(worker: Path, out, logs: list[Path], env: dict | None = None) 
     Each rank's output goes to its log; a rank still running after 300 s is killed.
     ``env`` adds environment variables to both ranks.
     """
+    return run_ranks(worker, out, logs, env)
+
+
+def run_ranks(worker: Path, out, logs: list[Path], env: dict | None = None) -> list[int]:
+    """``python worker RANK WORLD PORT out`` for one rank per log; their exit codes.
+
+    Each rank's output goes to its log; a rank still running after 300 s is killed.
+    ``env`` adds environment variables to every rank.
+    """
     port = _free_port()
     procs = []
     for rank, log in enumerate(logs):
         with open(log, "w") as sink:
             procs.append(subprocess.Popen(
-                [sys.executable, str(worker), str(rank), "2", str(port), str(out)],
+                [sys.executable, str(worker), str(rank), str(len(logs)), str(port), str(out)],
                 env=subprocess_env(env), stdout=sink, stderr=subprocess.STDOUT))
     try:
         for p in procs:

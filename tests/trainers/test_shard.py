@@ -27,47 +27,25 @@ import subprocess
 import sys
 import warnings
 
+import flax.linen as nn
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import DTensor
 
 from tests.support import ROOT
+from tests.support.closeness import close_dicts, close_steps
 from tests.support.ranks import run_reference, run_two_ranks
 from tests.support.shard_worker import LENGTHS, build
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
+from torchside._shard import _leaf_spec
 
 pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
 
 WORKER = ROOT / "tests" / "support" / "shard_worker.py"
-
-
-def _close(got: dict, want: dict, what: str) -> None:
-    assert set(got) == set(want), what
-    for name, value in want.items():  # float32, two partitionings of one sum: scaled
-        torch.testing.assert_close(got[name], value, rtol=1e-5,
-                                   atol=1e-6 * float(value.abs().max()),
-                                   msg=lambda m, name=name: f"{what}, {name}: {m}")
-
-
-def _close_steps(got: dict, want: dict, initial: dict, share: float, what: str) -> None:
-    """Each parameter's update within ``share`` of the largest element of ``want``'s.
-
-    Plus 1e-6 (1e-3 of the learning rate): attention's key bias has a gradient of zero (it
-    adds one constant to a query's logits, which softmax ignores), so its AdamW updates
-    are rounding noise scaled up, about 5e-7 here; it is the one parameter left untrained.
-    """
-    assert set(got) == set(want) and len(want) > 8, what
-    floor = 1e-6
-    for name, value in want.items():
-        step = value - initial[name]
-        scale = float(step.abs().max())
-        assert scale > floor or name.endswith("key.bias"), f"{what}: {name} did not train"
-        torch.testing.assert_close(got[name] - initial[name], step, rtol=0,
-                                   atol=share * scale + floor,
-                                   msg=lambda m, name=name: f"{what}, {name}: {m}")
 
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -121,7 +99,7 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
             rest = full_peak - copies * whole
             assert peak <= copies * whole // 2 + 2 * layer + rest, (kind, peak, full_peak)
         assert set(report["gathers"]) == {"forward_with_residuals", "backward"}
-        _close(report["final"], reference["final"], "trained")
+        close_dicts(report["final"], reference["final"], "trained")
         torch.testing.assert_close(report["norms"], reference["norms"], rtol=1e-5, atol=0)
     for name, value in ranks[0]["final"].items():
         assert not torch.equal(value, reference["initial"][name]), f"{name} did not train"
@@ -133,11 +111,11 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         t = report["transformer"]
         for name, value in t_ref["flax_initial"].items():
             assert torch.equal(t["flax_initial"][name], value), (r, name)
-        _close_steps(t["flax_final"], t_ref["flax_final"], t_ref["flax_initial"], 1e-3,
+        close_steps(t["flax_final"], t_ref["flax_final"], t_ref["flax_initial"], 1e-3,
                      f"transformer on rank {r}")
         initial, twin = t["twin_initial"], t["twin_final"]
         assert set(t["flax_as_twin"]) == set(twin) and len(twin) > 8
-        _close_steps(t["flax_as_twin"], twin, initial, 1e-2, f"transformer twin, rank {r}")
+        close_steps(t["flax_as_twin"], twin, initial, 1e-2, f"transformer twin, rank {r}")
     # flaxside.remat_stack's layers, run per rank: one all-to-all per layer and direction
     # in every loop body (a forward body gathers, the layer's VJP also reduce-scatters), no
     # other collective, where XLA left alone gathers each parameter of the remat_scan block
@@ -147,7 +125,7 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         s = report["stack"]
         for name, value in s_ref["initial"].items():
             assert torch.equal(s["initial"][name], value), (r, name)
-        _close(s["final"], s_ref["final"], f"remat_stack on rank {r}")
+        close_dicts(s["final"], s_ref["final"], f"remat_stack on rank {r}")
         assert set(s["loops"]) == {"forward_with_residuals", "backward"}, s["loops"]
         for kind, bodies in s["loops"].items():
             most = 1 if kind == "forward_with_residuals" else 2
@@ -167,7 +145,7 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
             got = report["tagged"][f"{prefix}local"]
             assert got == {n: (w[0] // 2, *w[1:]) for n, w in whole.items()}, (r, got, whole)
         halves = torch.cat([report["tagged"][f"{prefix}out"] for report in ranks])
-        _close({"out": halves}, {"out": reference["tagged"][f"{prefix}out"]},
+        close_dicts({"out": halves}, {"out": reference["tagged"][f"{prefix}out"]},
                f"the {prefix}tagged module's output")
     # Derivatives of the backward and torch.func: refused by name on the sharded block
     # (they run on the same block unsharded), parameters untouched.
@@ -199,7 +177,7 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         assert report["habits"]["in_place"], report["habits"]
     # 1 -> 2: the reference's checkpoint, loaded into the sharded layout on each rank.
     for r in (0, 1):
-        _close(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
+        close_dicts(torch.load(f"{out}.{r}.loaded.pt"), reference["final"], f"loaded on rank {r}")
     # 2 -> 1: the sharded run's checkpoint, loaded into one process without a group.
     single = build(sharded=False)
     state = single.state_dict()
@@ -207,7 +185,7 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=f"{out}.dcp", no_dist=True)
     single.load_state_dict(state)
-    _close({k: v.detach() for k, v in single.named_parameters()}, ranks[0]["final"],
+    close_dicts({k: v.detach() for k, v in single.named_parameters()}, ranks[0]["final"],
            "sharded checkpoint in one process")
 
 
@@ -221,21 +199,72 @@ def test_shard_without_a_process_group_is_refused_by_name():
     assert not any(isinstance(p, DTensor) for p in m.parameters())
 
 
-def test_shard_after_jax_made_its_backends_says_how_to_order_it():
-    """JAX's distributed runtime must come first; this process ran JAX long ago."""
+@pytest.fixture
+def one_rank():
+    """A gloo process group of this process alone, destroyed after the test."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     try:
-        m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
-        with pytest.raises(RuntimeError, match=r"distributed runtime must start before JAX "
-                                               r"makes its backends.*torch.device\('meta'\)"):
-            shard(m)
-        assert not any(isinstance(p, DTensor) for p in m.parameters())
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def test_shard_after_jax_made_its_backends_says_how_to_order_it(one_rank):
+    """JAX's distributed runtime must come first; this process ran JAX long ago."""
+    m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
+    with pytest.raises(RuntimeError, match=r"distributed runtime must start before JAX "
+                                           r"makes its backends.*torch.device\('meta'\)"):
+        shard(m)
+    assert not any(isinstance(p, DTensor) for p in m.parameters())
+
+
+class _TwiceOnOneAxis(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, kernel_init=nn.with_partitioning(
+            nn.initializers.lecun_normal(), ("fsdp", "fsdp")))(x)
+
+
+def test_a_mesh_shard_cannot_follow_is_refused_by_name_before_anything_changes(one_rank):
+    """A mesh of several dimensions needs names (which splits the batch, which Flax's names
+    mean); ``batch_axes`` must name a dimension; an axis shards one dimension of a
+    parameter. Each refused before JAX's runtime starts, the module left as it was."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with torch.device("meta"):
+        m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
+        twice = FlaxModule(_TwiceOnOneAxis(), example_args=(torch.zeros(2, 8),))
+    with pytest.raises(ValueError, match=r"mesh has 2 dimensions \(1, 1\) and no names.*"
+                                         r"mesh_dim_names=\('fsdp', 'tensor'\)"):
+        shard(m, DeviceMesh("cpu", [[0]]))
+    named = DeviceMesh("cpu", [[0]], mesh_dim_names=("fsdp", "tensor"))
+    with pytest.raises(ValueError, match=r"batch_axes='dp', but the mesh's dimensions "
+                                         r"are \('fsdp', 'tensor'\)"):
+        shard(m, named, batch_axes="dp")
+    with pytest.raises(ValueError, match=r"'params.Dense_0.kernel' has partition names "
+                                         r"\('fsdp', 'fsdp'\).*over the mesh axis 'fsdp'"):
+        shard(twice, named)
+    for module in (m, twice):
+        assert module._caller.plan is None
+        assert not any(isinstance(p, DTensor) for p in module.parameters())
+
+
+@pytest.mark.parametrize("shape, names, want", [
+    ((2, 8, 64), (None, "fsdp", "tensor"), P(None, "fsdp", "tensor")),
+    ((2, 8, 64), (None, ("tensor", "fsdp"), None), P(None, ("fsdp", "tensor"), None)),
+    ((2, 6, 64), (None, ("fsdp", "tensor"), "x"), None),  # 6 % 4: no axes; "x": no mesh axis
+    ((2, 8), (None, "tensor"), P(None, "tensor")),  # named for "tensor" only: not over fsdp
+    ((4, 3), None, P("fsdp", None)),  # no names: FSDP-style, the last that divides by 2
+    ((3,), None, None),
+])
+def test_a_parameters_spec_on_a_2d_mesh(shape, names, want):
+    """Flax's names in mesh order (torch splits a dimension sharded twice in mesh order)."""
+    sizes = {"fsdp": 2, "tensor": 2}
+    assert _leaf_spec("w", shape, sizes, names, ("fsdp",), "M") == want
 
 
 _MANY_DEVICES = """
@@ -244,6 +273,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import torch, torch.distributed as dist
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
+from torchside._shard import _leaf_spec
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
