@@ -28,7 +28,8 @@ every rank runs, on its own rows, what the partitioner would have run, which is 
 ``shard_map`` runs. Otherwise the partitioner's route stays (``plan`` returns ``None``), as
 it does for a leaf sharded on a layer axis, a carry leaf the mesh does not divide on its
 first dimension, or a mesh with an axis of more than one process that is not the batch's
-(a tensor axis: a layer's contractions over it need reductions of their own).
+(a tensor axis: per rank, a leaf sharded over it would be gathered whole, and each layer
+computed again on each of its ranks).
 
 Only a per-rank stack sums a gradient in another dtype than it is computed in (FSDP2's
 ``reduce_dtype``, ``OnMesh.reduce``): a program whose function reads such a leaf anywhere
@@ -96,7 +97,10 @@ def plan(layer_fn: Callable, placement, found: list, sources: list, treedef, n_l
     the program's leaves); ``sources``: the leaves the stack runs on, of ``treedef``.
     """
     if len(placement.batch_axes) != 1 or not placement.batch_only:
-        return None  # a tensor axis: a layer would need its own reductions over it
+        # A tensor axis: shard_map's specs name the batch axis only, so each leaf sharded
+        # over it would be gathered whole before the loop, and every layer computed again
+        # on each of its ranks.
+        return None
     if any(f is not None and f.dim is not None and f.dim < n_layout for f in found):
         return None  # a leaf sharded on a layer axis: a layer lives on one rank
     n, axis = placement.size, placement.batch_axes[0]

@@ -225,8 +225,10 @@ class OnMesh:
         """
         if spec is None:
             return None
-        sharded = [d for d, e in enumerate(spec) if spec_axes(e)]
-        if len(sharded) != 1 or spec_axes(spec[sharded[0]]) != self.batch_axes:
+        axes = [tuple(a for a in spec_axes(e) if self.mesh.shape[a] > 1) for e in spec]
+        sharded = [d for d, a in enumerate(axes) if a]  # axes of one rank shard nothing
+        batch = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+        if len(sharded) != 1 or axes[sharded[0]] != batch:
             return None
         return sharded[0]
 

@@ -49,6 +49,7 @@ import dataclasses
 import math
 import os
 import socket
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -90,9 +91,9 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as ``fully_shard``
             takes it; dtypes ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or
             ``None``. A ``reduce_dtype`` other than ``None`` or ``param_dtype`` needs the
-            parameters read only by ``flaxside.remat_stack`` layers run per rank (on a
-            mesh whose every dimension of more than one rank splits the batch); other
-            blocks refuse it at their first call.
+            parameters read only by ``flaxside.remat_stack`` layers run per rank (NOTE
+            [Per-rank stacks]); other blocks refuse it at their first call, and a mesh
+            with a dimension of more than one rank outside one batch axis refuses it here.
 
     Returns:
         The module.
@@ -105,7 +106,8 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
         ValueError: the mesh is not over every rank, has several dimensions and no names,
             ``batch_axes`` names none of its dimensions, a parameter's partition names put
             one mesh axis on two of its dimensions, the module is already sharded, or a
-            field of ``mp_policy`` is not supported (the module is left unchanged).
+            field of ``mp_policy`` is not supported or not on this mesh (the module is
+            left unchanged).
         TypeError: ``mp_policy`` is not a ``MixedPrecisionPolicy``.
 
     Example:
@@ -122,7 +124,7 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
 
             shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     where = module._where
     precision = _precision(mp_policy, where)
@@ -149,15 +151,22 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
              if is_param and (t.is_floating_point() or t.is_complex()) else None
              for name, (t, is_param, flax_names) in zip(module._adapter.names, targets,
                                                          strict=True)]
+    idle = [a for a, n in sizes.items() if a not in batch_axes and n > 1
+            and not any(a in spec_axes(e) for spec in specs if spec is not None for e in spec)]
+    if idle:  # e.g. axis_rules that name no parameter dimension for it (a typo, or none)
+        warnings.warn(_shard_errors.idle_axes(where, idle, sizes, batch_axes), stacklevel=2)
+    per_rank = len(batch_axes) == 1 and all(n == 1 for a, n in sizes.items()
+                                            if a not in batch_axes)
+    if not per_rank and precision.reduce_dtype not in (None, precision.param_dtype):
+        raise _shard_errors.reduce_dtype_on_mesh(where, precision.reduce_dtype, tuple(names),
+                                                 tuple(mesh.shape), batch_axes)
     start_jax_distributed(mesh.device_type)
     # Position (i, j) of the mesh is rank mesh.mesh[i, j], torch's and JAX's alike (process
     # id = rank: start_jax_distributed), so that DTensor's shard (i, j) and JAX's are one.
     devices = jax.devices()
     if len(devices) != ranks.size:  # which device a process meant would be a guess
         raise _shard_errors.jax_devices_per_process(devices, ranks.size)
-    by_process = {d.process_index: d for d in devices}
-    jax_mesh = jax.sharding.Mesh(
-        np.vectorize(by_process.__getitem__, otypes=[object])(ranks), tuple(names))
+    jax_mesh = _jax_mesh(ranks, tuple(names), {d.process_index: d for d in devices})
     casts, reduces, parameters = [], [], {}
     for i, ((t, is_param, _), spec) in enumerate(zip(targets, specs, strict=True)):
         # FSDP2 casts floating parameters of another dtype than param_dtype (_fsdp_param.py).
@@ -169,14 +178,10 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
                        and precision.reduce_dtype not in (None, computed) else None)
         if not is_param:
             continue
-        axes = [spec_axes(e) for e in spec] if spec is not None else []
-        # Mesh dimension k shards the tensor dimension its axis names; entries are in mesh
-        # order, which is the order DTensor splits a dimension sharded twice in.
-        placements = [next((Shard(d) for d, a in enumerate(axes) if name in a), Replicate())
-                      for name in names]
+        placements = _placements(spec, tuple(names))
         if t.device.type == "meta":
-            local_shape = [n // math.prod(sizes[a] for a in a_d)
-                           for n, a_d in zip(t.shape, axes or [()] * t.dim(), strict=True)]
+            local_shape = [n // math.prod(sizes[a] for a in spec_axes(e))
+                           for n, e in zip(t.shape, spec or (None,) * t.dim(), strict=True)]
             value = DTensor.from_local(torch.empty(local_shape, dtype=t.dtype, device="meta"),
                                        mesh, placements, run_check=False, shape=t.shape,
                                        stride=t.stride())
@@ -297,7 +302,12 @@ class ShardPlan:
 
 
 def _batch_axes(batch_axes, names: tuple, where: str) -> tuple:
-    """``shard``'s ``batch_axes`` as a tuple of mesh dimension names, in mesh order."""
+    """``shard``'s ``batch_axes`` as a tuple of mesh dimension names, in mesh order.
+
+    In mesh order: a rank's rows of the global batch are block ``i`` of the batch axes'
+    ranks counted in that order (``i = i_fsdp * n_tensor + i_tensor`` for both axes of
+    ``("fsdp", "tensor")``), as JAX splits a dimension over several axes.
+    """
     if batch_axes is None:
         return names[:1]
     given = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
@@ -307,14 +317,39 @@ def _batch_axes(batch_axes, names: tuple, where: str) -> tuple:
     return tuple(a for a in names if a in given)
 
 
+def _jax_mesh(ranks: np.ndarray, names: tuple, by_process: dict) -> jax.sharding.Mesh:
+    """The JAX mesh of torch's mesh ``ranks``, dimensions ``names``.
+
+    Position ``(i, j)`` holds process ``ranks[i, j]``'s device (process id = torch rank), so
+    that DTensor's shard ``(i, j)`` and JAX's are one.
+    """
+    return jax.sharding.Mesh(np.vectorize(by_process.__getitem__, otypes=[object])(ranks),
+                             names)
+
+
+def _placements(spec, names: tuple) -> list:
+    """DTensor placements of a parameter placed by ``spec`` over a mesh of ``names``.
+
+    Mesh dimension ``k`` shards the tensor dimension whose entry names its axis, else
+    replicates; entries are in mesh order, the order DTensor splits a dimension sharded
+    over two mesh dimensions in (``[Shard(d), Shard(d)]``).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    axes = [spec_axes(e) for e in spec] if spec is not None else []
+    return [next((Shard(d) for d, a in enumerate(axes) if name in a), Replicate())
+            for name in names]
+
+
 def _leaf_spec(name: str, shape: tuple, sizes: dict, flax_names, batch_axes: tuple,
                where: str):
     """A parameter's ``PartitionSpec`` over a mesh of ``sizes`` (axis: size, mesh order).
 
     Flax's partitioning metadata where it has names (mesh axes after ``axis_rules``): each
     dimension over the axes its entry names that the mesh has, in mesh order, none where
-    their product does not divide it. Without metadata, FSDP-style: the last dimension
-    that divides by the batch axes' product, over them. ``None``: replicated.
+    their product does not divide it; axes of one rank are dropped. Without metadata,
+    FSDP-style: the last dimension that divides by the batch axes' product, over them.
+    ``None``: replicated.
     """
     if flax_names is not None:
         entries, seen = [], set()
@@ -324,12 +359,15 @@ def _leaf_spec(name: str, shape: tuple, sizes: dict, flax_names, batch_axes: tup
                 if a in seen:
                     raise _shard_errors.axis_on_two_dims(where, name, tuple(flax_names), a)
                 seen.add(a)
+            # Axes of one rank shard nothing: dropped, so that a leaf on a mesh like
+            # ("fsdp", "tensor") = (N, 1) is split over the batch axes alone (batch_dim).
+            axes = tuple(a for a in axes if sizes[a] > 1)
             if axes and shape[d] % math.prod(sizes[a] for a in axes):
                 axes = ()
             entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return P(*entries) if any(e is not None for e in entries) else None
     n = math.prod(sizes[a] for a in batch_axes)
-    for d in reversed(range(len(shape))):
+    for d in reversed(range(len(shape)) if n > 1 else ()):
         if shape[d] % n == 0 and shape[d] >= n:
             return P(*((batch_axes[0] if len(batch_axes) == 1 else batch_axes)
                        if k == d else None for k in range(len(shape))))

@@ -28,11 +28,37 @@ def mesh_unnamed(where: str, mesh) -> ValueError:
 
 
 def batch_axes_unknown(where: str, batch_axes, names) -> ValueError:
-    """``batch_axes`` naming no dimension of the mesh, or none at all."""
+    """``batch_axes`` naming something but the mesh's dimensions, none, or one twice."""
     return ValueError(
         f"shard({where}): batch_axes={batch_axes!r}, but the mesh's dimensions are "
-        f"{tuple(names)}; batch_axes names the dimensions the batch is split over (FSDP's), "
-        f"one or more of those. Pass e.g. batch_axes={names[0]!r}, or None for the first."
+        f"{tuple(names)}; batch_axes names the dimensions the batch is split over (FSDP's): "
+        f"one of those, or a tuple of distinct ones. Pass e.g. batch_axes={names[0]!r}, or "
+        f"None for the first."
+    )
+
+
+def idle_axes(where: str, idle: list, sizes: dict, batch_axes: tuple) -> str:
+    """A mesh dimension, not the batch's, that no parameter is split over (a warning)."""
+    return (
+        f"shard({where}): no parameter is split over mesh dimension(s) {idle} of the mesh "
+        f"{sizes} (the batch is split over {batch_axes}), so each of their ranks computes "
+        f"the same thing on the same rows. Name them in the parameters' partitioning "
+        f"metadata, e.g. axis_rules=(('mlp', {idle[0]!r}), ('heads', {idle[0]!r}), ...) for "
+        f"nn.with_logical_partitioning names, or add them to batch_axes to split the batch."
+    )
+
+
+def reduce_dtype_on_mesh(where: str, reduce_dtype, names: tuple, shape: tuple,
+                         batch_axes: tuple) -> ValueError:
+    """``mp_policy.reduce_dtype`` on a mesh no per-rank stack runs on."""
+    return ValueError(
+        f"shard({where}): mp_policy.reduce_dtype={reduce_dtype} differs from the compute "
+        f"dtype, but the mesh {dict(zip(names, shape, strict=True))} with "
+        f"batch_axes={batch_axes} has ranks outside one batch axis. Only a remat_stack run "
+        f"per rank sums gradients in another dtype, and it runs per rank on a mesh whose "
+        f"every dimension of more than one rank is the one batch axis; elsewhere XLA's "
+        f"partitioner sums in the compute dtype. Pass reduce_dtype=None (or the "
+        f"param_dtype), or a one-dimensional mesh."
     )
 
 
@@ -52,8 +78,8 @@ def mesh_not_every_rank(where: str, ranks: list, world: int) -> ValueError:
         f"shard({where}): mesh is over ranks {ranks} of a world of {world}; a block is "
         f"sharded over every rank (one JAX program spans all processes). Pass the whole "
         f"DeviceMesh, over all {world} ranks, e.g. init_device_mesh('cuda', ({world},)) or "
-        f"a mesh of two named dimensions whose first splits the batch; a dimension of a "
-        f"larger mesh (mesh['tp']) is not supported."
+        f"a mesh of named dimensions (batch_axes says which split the batch); a dimension "
+        f"of a larger mesh (mesh['tp']) is not supported."
     )
 
 

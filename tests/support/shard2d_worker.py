@@ -15,18 +15,24 @@ the same layer stacked by ``flaxside.remat_stack`` (which owns its loop: a layer
 over "fsdp" alone gathered packed, the rest left to XLA's partitioner) is trained like the
 scan. Each process saves ``OUT.RANK.pt`` (the reference ``OUT.ref.pt``): per block
 (``scan``, ``stack``, the ``twin``) its parameters (whole) before and after 2 AdamW steps,
-the first step's gradients and the local shapes and placements, and the NNX module's local
-shapes and output.
+the first step's gradients (the input's too) and the local shapes and placements, whether
+a deep copy of the scan block computes the same, and the NNX module's local shapes, whole
+initial values and output; the trained scan block is saved with
+``torch.distributed.checkpoint`` to ``OUT.dcp`` (the reference: ``OUT.ref-dcp``); and
+what ``shard`` warns when no parameter is split over "tensor" (no ``axis_rules``).
 """
 
+import copy
 import datetime
 import os
 import sys
+import warnings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import flaxside  # noqa: E402
@@ -47,15 +53,19 @@ MESH = [[0, 2], [1, 3]]  # position (fsdp, tensor) -> rank
 
 
 class NnxMlp(nnx.Module):
+    """An MLP with NNX partitioning names: ``mix``'s first dimension over both mesh axes."""
+
     def __init__(self, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
+        self.mix = nnx.Linear(WIDTH, WIDTH, rngs=rngs, kernel_init=nnx.with_partitioning(
+            init, (("embed", "mlp"), None)))
         self.up = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs,
                              kernel_init=nnx.with_partitioning(init, ("embed", "mlp")))
         self.down = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs,
                                kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
 
     def __call__(self, x):
-        return self.down(nnx.gelu(self.up(x)))
+        return self.down(nnx.gelu(self.up(self.mix(x))))
 
 
 def full(named) -> dict:
@@ -70,7 +80,8 @@ def local(module) -> dict:
 
 
 def train(model, batches) -> dict:
-    """``batches`` of AdamW steps on ``model``; the first step's gradients (whole).
+    """``batches`` of AdamW steps on ``model``; the first step's gradients (whole), the
+    input's among them (``"input"``: this rank's rows).
 
     AdamW's ``eps`` is 1e-4: two libraries' float32 rounding of a gradient near zero
     cannot flip its update's sign (tests/support/shard_worker.py's ``transformer``)."""
@@ -78,9 +89,11 @@ def train(model, batches) -> dict:
     first = None
     for x, y in batches:
         opt.zero_grad()
+        x = x.clone().requires_grad_(first is None)
         torch.nn.functional.mse_loss(model(x), y).backward()
         if first is None:
             first = full((n, p.grad) for n, p in model.named_parameters())
+            first["input"] = x.grad
         opt.step()
     return first
 
@@ -119,6 +132,10 @@ def main(rank: int, world: int, port: str, out: str) -> None:
             shard(block, mesh, axis_rules=RULES)
             block.to_empty(device="cpu")
             block.reset_parameters()
+        with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # without rules Linen's names map to nothing
+            shard(makers["scan"](), mesh)
+        report["idle_warning"] = [str(w.message) for w in caught]
         row = next(i for i, ranks in enumerate(MESH) if rank in ranks)
         rows = slice(row * BATCH // 2, (row + 1) * BATCH // 2)
     else:
@@ -126,6 +143,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     mine = [(x[rows], y[rows]) for x, y in batches]
     nnx_module = blocks.pop("nnx")
     report["nnx_local"] = local(nnx_module)
+    report["nnx_initial"] = full(nnx_module.named_parameters())
     with torch.no_grad():
         report["nnx_out"] = nnx_module(probe[rows])
     for kind, block in blocks.items():
@@ -133,6 +151,11 @@ def main(rank: int, world: int, port: str, out: str) -> None:
         grads = train(block, mine)
         report[kind] = {"initial": initial, "local": shapes, "grads": grads,
                         "final": full(block.named_parameters())}
+    with torch.no_grad():  # a deep copy (an EMA's) computes what the block computes
+        x = mine[0][0]
+        report["deepcopy"] = torch.equal(copy.deepcopy(blocks["scan"])(x), blocks["scan"](x))
+    dcp.save(blocks["scan"].state_dict(), checkpoint_id=f"{out}.{'dcp' if sharded else 'ref-dcp'}",
+             no_dist=not sharded)
     twin = TorchTPStack()
     twin.load_state_dict(twin_state(report["scan"]["initial"]))
     if sharded:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from jax.sharding import PartitionSpec as P
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from tests.support import ROOT
@@ -186,7 +187,7 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
         dcp.load(state, checkpoint_id=f"{out}.dcp", no_dist=True)
     single.load_state_dict(state)
     close_dicts({k: v.detach() for k, v in single.named_parameters()}, ranks[0]["final"],
-           "sharded checkpoint in one process")
+                "sharded checkpoint in one process")
 
 
 def test_shard_without_a_process_group_is_refused_by_name():
@@ -245,26 +246,93 @@ def test_a_mesh_shard_cannot_follow_is_refused_by_name_before_anything_changes(o
     with pytest.raises(ValueError, match=r"batch_axes='dp', but the mesh's dimensions "
                                          r"are \('fsdp', 'tensor'\)"):
         shard(m, named, batch_axes="dp")
+    with pytest.raises(ValueError, match=r"batch_axes=\('fsdp', 'fsdp'\).*a tuple of "
+                                         r"distinct ones"):
+        shard(m, named, batch_axes=("fsdp", "fsdp"))
     with pytest.raises(ValueError, match=r"'params.Dense_0.kernel' has partition names "
                                          r"\('fsdp', 'fsdp'\).*over the mesh axis 'fsdp'"):
         shard(twice, named)
+    # FSDP2's usual policy sums in float32 only per rank, over one batch axis.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch.float32 differs from the compute "
+                                         r"dtype.*batch_axes=\('fsdp', 'tensor'\).*Pass "
+                                         r"reduce_dtype=None"):
+        shard(m, named, batch_axes=("fsdp", "tensor"), mp_policy=policy)
     for module in (m, twice):
         assert module._caller.plan is None
         assert not any(isinstance(p, DTensor) for p in module.parameters())
 
 
-@pytest.mark.parametrize("shape, names, want", [
-    ((2, 8, 64), (None, "fsdp", "tensor"), P(None, "fsdp", "tensor")),
-    ((2, 8, 64), (None, ("tensor", "fsdp"), None), P(None, ("fsdp", "tensor"), None)),
-    ((2, 6, 64), (None, ("fsdp", "tensor"), "x"), None),  # 6 % 4: no axes; "x": no mesh axis
-    ((2, 8), (None, "tensor"), P(None, "tensor")),  # named for "tensor" only: not over fsdp
-    ((4, 3), None, P("fsdp", None)),  # no names: FSDP-style, the last that divides by 2
-    ((3,), None, None),
+@pytest.mark.parametrize("shape, names, tensor, want", [
+    ((2, 8, 64), (None, "fsdp", "tensor"), 2, P(None, "fsdp", "tensor")),
+    ((2, 8, 64), (None, ("tensor", "fsdp"), None), 2, P(None, ("fsdp", "tensor"), None)),
+    ((2, 6, 64), (None, ("fsdp", "tensor"), "x"), 2, None),  # 6 % 4: none; "x": no such axis
+    ((2, 8), (None, "tensor"), 2, P(None, "tensor")),  # named for "tensor" only: not fsdp
+    ((4, 3), None, 2, P("fsdp", None)),  # no names: FSDP-style, the last that divides by 2
+    ((3,), None, 2, None),
+    # An axis of one rank shards nothing: dropped, so the leaf is split over the batch
+    # axis alone (else remat_stack's per-rank route gathered it whole before its loop).
+    ((2, 8, 64), (None, "fsdp", "tensor"), 1, P(None, "fsdp", None)),
 ])
-def test_a_parameters_spec_on_a_2d_mesh(shape, names, want):
+def test_a_parameters_spec_on_a_2d_mesh(shape, names, tensor, want):
     """Flax's names in mesh order (torch splits a dimension sharded twice in mesh order)."""
-    sizes = {"fsdp": 2, "tensor": 2}
+    sizes = {"fsdp": 2, "tensor": tensor}
     assert _leaf_spec("w", shape, sizes, names, ("fsdp",), "M") == want
+
+
+_PLACEMENTS = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, numpy as np, torch, torch.distributed as dist
+from jax.sharding import NamedSharding, PartitionSpec as P
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchside._shard import _batch_axes, _jax_mesh, _leaf_spec, _placements
+
+devices = jax.devices()
+checked = 0
+for ranks in ([[0, 2], [1, 3]], [[0, 1], [2, 3]]):
+    for names in (("fsdp", "tensor"), ("tensor", "fsdp")):
+        jax_mesh = _jax_mesh(np.array(ranks), names, dict(enumerate(devices)))
+        for shape, flax_names, batch in [
+                ((2, 8, 64), (None, "fsdp", "tensor"), None),
+                ((2, 8, 64), (None, "tensor", "fsdp"), None),
+                ((2, 8, 6), (None, ("fsdp", "tensor"), None), None),
+                ((2, 8, 6), (None, ("tensor", "fsdp"), None), None),
+                ((2, 8), (None, "tensor"), None), ((4, 3), None, None),
+                ((4, 3), None, "tensor"), ((8, 3), None, ("tensor", "fsdp"))]:
+            axes = _batch_axes(batch, names, "M")
+            spec = _leaf_spec("w", shape, dict(zip(names, (2, 2))), flax_names, axes, "M")
+            where = NamedSharding(jax_mesh, P() if spec is None else spec)
+            blocks = where.devices_indices_map(shape)
+            whole = torch.arange(int(np.prod(shape))).reshape(shape)
+            for rank in range(4):
+                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+                try:
+                    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=names)
+                    mine = distribute_tensor(whole, mesh, _placements(spec, names),
+                                             src_data_rank=None).to_local()
+                finally:
+                    dist.destroy_process_group()
+                want = whole[blocks[devices[rank]]]
+                assert torch.equal(mine, want), (ranks, names, shape, flax_names, batch, rank)
+                checked += 1
+print("checked", checked)
+"""
+
+
+def test_dtensor_shards_are_the_blocks_jax_gives_each_process_on_a_2d_mesh():
+    """For each kind of spec (an axis per dimension, two on one dimension in either order,
+    the tensor axis only, FSDP-style over one or two batch axes), on meshes in and out of
+    rank order with either dimension first: rank r's local shard of ``distribute_tensor``
+    with ``shard``'s placements is the block JAX's sharding gives process r on the mesh
+    ``shard`` builds. A fake process group per rank; four host devices in a subprocess."""
+    done = subprocess.run([sys.executable, "-c", _PLACEMENTS], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == str(2 * 2 * 8 * 4), done.stdout
 
 
 _MANY_DEVICES = """
@@ -273,7 +341,6 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import torch, torch.distributed as dist
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
-from torchside._shard import _leaf_spec
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -10,17 +10,23 @@ gradients equal one process's on the full batch (FSDP's mean over the "fsdp" ran
 the "tensor" ranks compute one loss together) and the torch twin's under
 ``parallelize_module`` (Megatron-style column/row splits on ``mesh["tensor"]``) plus
 ``fully_shard`` on ``mesh["fsdp"]``; two AdamW steps end where both end; the same layer
-stacked by ``flaxside.remat_stack`` (its own loop) does the same against one process; an
-NNX module's ``nnx.with_partitioning`` names go through the same rules.
+stacked by ``flaxside.remat_stack`` (its own loop) does the same against one process; input
+gradients are each rank's own, whole over the "tensor" ranks; a deep copy computes the
+same; the 2x2 ``torch.distributed.checkpoint`` loads into one process; an NNX module's
+``nnx.with_partitioning`` names go through the same rules (one dimension over both axes).
 """
+
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.support import ROOT
 from tests.support.closeness import close_dicts, close_steps
 from tests.support.ranks import run_ranks, run_reference
-from tests.support.tp_block import twin_state
+from tests.support.tp_block import TPStack, twin_state
+from torchside import FlaxModule
 
 pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
 
@@ -86,22 +92,49 @@ def test_a_block_on_a_2x2_mesh_trains_like_one_process_and_like_tp_plus_fsdp2(tm
                 whole = tuple(want["initial"][names[short]].shape)
                 assert got["local"][names[short]] == (_local_shape(whole, placements),
                                                       placements), (what, short)
-            # One process's gradients on the full batch, and where two steps end.
-            close_dicts(_trained(got["grads"]), _trained(want["grads"]), f"{what}: gradients")
+            # One process's gradients on the full batch, and where two steps end. The
+            # input's are this rank's own loss's (a mean over half the rows: twice the
+            # full batch's), whole over the "tensor" ranks, as ColwiseParallel's are.
+            got_grads, want_grads = dict(got["grads"]), dict(want["grads"])
+            rows = slice(0, 4) if r in (0, 2) else slice(4, 8)
+            close_dicts({"input": got_grads.pop("input")},
+                        {"input": 2 * want_grads.pop("input")[rows]}, f"{what}: input grad")
+            close_dicts(_trained(got_grads), _trained(want_grads), f"{what}: gradients")
             close_steps(got["final"], want["final"], want["initial"], 1e-3, f"{what}: trained")
     for r, report in enumerate(ranks):  # the torch twin under TP + FSDP2, from the scan's
         twin, flax = report["twin"], report["scan"]  # weights, on the same rows
-        assert set(twin["grads"]) == set(twin_state(flax["grads"]))
-        close_dicts(_trained(twin_state(flax["grads"])), _trained(twin["grads"]),
+        flax_grads, twin_grads = dict(flax["grads"]), dict(twin["grads"])
+        close_dicts({"input": flax_grads.pop("input")}, {"input": twin_grads.pop("input")},
+                    f"input gradients vs the twin, rank {r}")
+        close_dicts(_trained(twin_state(flax_grads)), _trained(twin_grads),
                     f"gradients vs the twin, rank {r}")
         close_steps(twin_state(flax["final"]), twin["final"], twin["initial"], 1e-2,
                     f"trained vs the twin, rank {r}", untrained=("wk.bias",))
-        # NNX: the rules map its names; a kernel a quarter per rank.
+        # NNX: the rules map its names; a kernel a quarter per rank, mix's first dimension
+        # over both axes (torch splits it in mesh order, as JAX's ("fsdp", "tensor")).
         assert report["nnx_local"]["up.kernel"] == ((8, 32), ("S(0)", "S(1)"))
         assert report["nnx_local"]["down.kernel"] == ((32, 8), ("S(1)", "S(0)"))
+        assert report["nnx_local"]["mix.kernel"] == ((4, 16), ("S(0)", "S(0)"))
+        for name, value in reference["nnx_initial"].items():
+            assert torch.equal(report["nnx_initial"][name], value), (r, name)
+        assert report["deepcopy"]
+        # Without axis_rules no parameter is split over "tensor": said, not left silent.
+        assert any("no parameter is split over mesh dimension(s) ['tensor']" in w
+                   and "axis_rules" in w for w in report["idle_warning"]), report["idle_warning"]
     # Each "fsdp" coordinate's rows (ranks 0 and 2, then 1 and 3), the same on its
     # "tensor" ranks.
     for a, b in ((0, 2), (1, 3)):
         assert torch.equal(ranks[a]["nnx_out"], ranks[b]["nnx_out"])
     close_dicts({"out": torch.cat([ranks[0]["nnx_out"], ranks[1]["nnx_out"]])},
                 {"out": reference["nnx_out"]}, "the NNX module's output")
+    # The 2x2 checkpoint, loaded into one process's block (a user evaluating on one device).
+    single = FlaxModule(TPStack(), example_args=(torch.zeros(8, 6, 16),), seed=0)
+    state = single.state_dict()
+    with warnings.catch_warnings():  # DCP says it loads in one process, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=f"{out}.dcp", no_dist=True)
+    single.load_state_dict(state)
+    assert not torch.equal(state["params.stack.layer.fc1.kernel"],
+                           ranks[0]["scan"]["initial"]["params.stack.layer.fc1.kernel"])
+    close_dicts({k: v.detach() for k, v in single.named_parameters()}, ranks[0]["scan"]["final"],
+                "the 2x2 checkpoint loaded in one process")
