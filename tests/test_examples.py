@@ -19,6 +19,7 @@ TINY_ARGS = {
     "quickstart.py": ["--steps", "5"],
     "bench/call_costs.py": ["--tensors", "16", "--repeats", "2"],
     "bench/collectives.py": [],  # one layer's collectives, 2 gloo processes: seconds
+    "bench/shard2d.py": ["--quick"],  # a 4-layer block on a 2x2 mesh, 4 gloo processes
     "gpu_check.py": [],
     "stack_speed.py": ["--depth", "16", "--width", "16", "--batch", "4",
                        "--rounds", "1"],  # without a GPU it says so and exits 0
@@ -161,6 +162,16 @@ def _check_collectives(done, out) -> None:
         "all-to-all + sum", "all-gather", "all-to-all gather"], done.stdout
 
 
+def _check_shard2d(done, out) -> None:
+    """The four contestants agree on two steps' losses and each has a row and programs."""
+    assert float(re.search(r"max relative difference ([\d.e+-]+)", done.stdout).group(1)) <= 1e-4
+    for name in ("sharded 2-D", "sharded remat_stack 2-D", "fully_shard whole",
+                 "pure JAX SPMD 2-D"):
+        assert re.search(rf"^\| {name} \| [\d.]+ ms \|", done.stdout, re.M), done.stdout
+        assert re.search(rf"^\| {name} \| (forward_with_residuals|step) \|", done.stdout,
+                         re.M), done.stdout
+
+
 def _check_train_sharded(done, out) -> None:
     """Both ranks hold at most half the block plus one layer, the loss is printed per
     step, and the DCP checkpoint reloads into a model that computes the same."""
@@ -185,11 +196,13 @@ CHECKS = {
     "pinn.py": _check_pinn,
     "train_sharded.py": _check_train_sharded,
     "bench/collectives.py": _check_collectives,
+    "bench/shard2d.py": _check_shard2d,
 }
 
 
 # Examples that start ranks over gloo (torchrun's, the benchmark's sharded part).
-PROCESSES = {"train_sharded.py", "bench/benchmark.py", "bench/collectives.py"}
+PROCESSES = {"train_sharded.py", "bench/benchmark.py", "bench/collectives.py",
+             "bench/shard2d.py"}
 
 
 @pytest.mark.slow

@@ -59,6 +59,166 @@ AGREE = 1e-4  # relative difference of the checked losses, float32 sums in three
 BF16_AGREE = 2.0**-5  # the bfloat16 contestants' losses against pure JAX's float32 ones
 
 
+# -- what both sharded benchmarks' workers run (this one's and shard2d.py's) ------------------
+def data(blocks: int, block: int, batch: int, width: int):
+    """``(x_all, y_all, rows)``: the global inputs and targets, ``blocks`` blocks of
+    ``batch`` rows, the same on every rank, and the slice of this rank's block."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    x_all, y_all = (rng.standard_normal((blocks * batch, width), dtype=np.float32)
+                    for _ in range(2))
+    return x_all, y_all, slice(block * batch, (block + 1) * batch)
+
+
+def torch_steps(x, y, opts: dict):
+    """``torch_step(name, model)``: a step of ``model`` (MSE on ``x``, ``y``, backward,
+    ``torch.optim.AdamW`` with optax's settings, kept in ``opts[name]``); the loss."""
+    import torch
+    import torch.nn.functional as F
+
+    def torch_step(name, model):
+        opt = opts[name] = torch.optim.AdamW(model.parameters(), lr=LR,
+                                             weight_decay=WEIGHT_DECAY)
+
+        def step():
+            loss = F.mse_loss(model(x).float(), y)  # a bfloat16 output's loss in float32
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    return torch_step
+
+
+def pure_jax_step(apply, variables, xg, yg, jax_mesh):
+    """Pure JAX's contestant: ``(step, box, compiled)``, one jitted AdamW step of the mean
+    squared error of ``apply(variables, xg)`` against ``yg`` over ``jax_mesh``.
+
+    Each moment is sharded as its parameter, the step counter replicated; the step's
+    outputs are pinned to its inputs' shardings, so that donation reuses every buffer.
+    ``box`` holds the parameters and the state, ``compiled`` the program once run (compiled
+    ahead: its memory analysis is that of the program run).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tx = optax.adamw(LR, weight_decay=WEIGHT_DECAY)  # betas (0.9, 0.999), eps 1e-8: torch's
+
+    def train_step(v, state, x, y):
+        loss, grads = jax.value_and_grad(lambda v: jnp.mean((apply(v, x) - y) ** 2))(v)
+        updates, state = tx.update(grads, state, v)
+        return optax.apply_updates(v, updates), state, loss
+
+    replicated = NamedSharding(jax_mesh, P())
+    state_shardings = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, variables), variables,
+        transform_non_params=lambda _: replicated)
+    box = [variables, jax.jit(tx.init, out_shardings=state_shardings)(variables)]
+    jitted = jax.jit(train_step, donate_argnums=(0, 1),
+                     out_shardings=(jax.tree.map(lambda a: a.sharding, variables),
+                                    state_shardings, replicated))
+    compiled = []
+
+    def step():
+        if not compiled:
+            compiled.append(jitted.lower(*box, xg, yg).compile())
+        box[0], box[1], loss = compiled[0](box[0], box[1], xg, yg)
+        jax.block_until_ready((box, loss))
+        return loss
+
+    return step, box, compiled
+
+
+def measure(steps: dict, spec: dict) -> dict:
+    """Each contestant's two checked steps (the first compiling), warmup, then ``spec``'s
+    rounds, interleaved (machine noise hits every contestant alike), every rank starting
+    each step together; ``{"first", "losses", "times"}``. A loss is the global mean: a JAX
+    one replicated, a torch one each rank's mean over its rows averaged over the ranks
+    (equal row counts; ranks of a tensor axis, on the same rows, count alike)."""
+    import jax
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+
+    def global_loss(loss) -> float:
+        if isinstance(loss, jax.Array):
+            return float(loss.addressable_data(0))
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        return float(loss) / world
+
+    report = {"first": {}, "losses": {}, "times": {n: [] for n in steps}}
+    for name, step in steps.items():
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step()
+        report["first"][name] = time.perf_counter() - start
+        report["losses"][name] = [global_loss(loss), global_loss(step())]
+        for _ in range(spec["warmup"]):
+            step()
+    for _ in range(spec["rounds"]):
+        for name, step in steps.items():
+            dist.barrier()  # a round's time is the slowest rank's
+            start = time.perf_counter()
+            step()
+            report["times"][name].append(time.perf_counter() - start)
+    return report
+
+
+def _addressable(tree) -> int:
+    """Bytes this process holds of ``tree``'s arrays (their addressable shard), 0-d aside."""
+    import jax
+
+    return sum(a.addressable_data(0).nbytes for a in jax.tree.leaves(tree) if a.ndim)
+
+
+def launch(script: str, args: list[str], world: int, env: dict, tmp: str, what: str,
+           timeout: float = 600) -> None:
+    """Runs ``python script --worker RANK *args`` for every rank and waits.
+
+    Output goes to files, not pipes: a rank blocked on a full pipe would hang the others.
+
+    Raises:
+        RuntimeError: a worker failed or ran past ``timeout`` (its log's tail says why).
+    """
+    logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as sink:
+            procs.append(subprocess.Popen([sys.executable, script, "--worker", str(rank),
+                                           *args], env=env, stdout=sink,
+                                          stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # killed below: its exit code says so
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        tails = "\n".join(f"rank {r} exited with {p.returncode}:\n{log.read_text()[-3000:]}"
+                          for r, (p, log) in enumerate(zip(procs, logs, strict=True)))
+        raise RuntimeError(f"{what}: a worker failed\n{tails}")
+
+
+def worker_env() -> dict:
+    """The workers' environment: JAX on the CPU, torch's idle threads passive, the repo
+    root importable."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY=os.environ.get(
+        "OMP_WAIT_POLICY", "PASSIVE"), PYTHONPATH=os.pathsep.join(
+        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH")) if p))
+
+
 # -- one worker process ---------------------------------------------------------------------
 def _local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor's local shard)."""
@@ -97,12 +257,9 @@ def _bridge_programs(module) -> dict:
 
 def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from flax.traverse_util import unflatten_dict
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -158,26 +315,10 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
     stacked, whole = build_stacked(), build_whole()
     stacked_bf16, whole_bf16 = build_stacked(bf16), build_whole(bf16)
 
-    rng = np.random.default_rng(1)
-    x_all, y_all = (rng.standard_normal((world * batch, width), dtype=np.float32)
-                    for _ in range(2))
-    rows = slice(rank * batch, (rank + 1) * batch)
+    x_all, y_all, rows = data(world, rank, batch, width)
     x, y = torch.from_numpy(x_all[rows]), torch.from_numpy(y_all[rows])
-
     opts = {}
-
-    def torch_step(name, model):
-        opt = opts[name] = torch.optim.AdamW(model.parameters(), lr=LR,
-                                             weight_decay=WEIGHT_DECAY)
-
-        def step():
-            loss = F.mse_loss(model(x).float(), y)  # a bfloat16 output's loss in float32
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return step
+    torch_step = torch_steps(x, y, opts)
 
     # Pure JAX on the mesh shard() made: one device per process, in process order.
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
@@ -198,35 +339,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
         tuple(n.split(".")): global_array(p.to_local().detach().numpy(), tuple(p.shape),
                                           dims[n]) for n, p in sharded.named_parameters()})
     xg, yg = (global_array(a[rows], a.shape, 0) for a in (x_all, y_all))
-    tx = optax.adamw(LR, weight_decay=WEIGHT_DECAY)  # betas (0.9, 0.999), eps 1e-8: torch's
-
-    def loss_fn(v, x, y):
-        return jnp.mean((flax_block.apply(v, x) - y) ** 2)
-
-    def train_step(v, state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(v, x, y)
-        updates, state = tx.update(grads, state, v)
-        return optax.apply_updates(v, updates), state, loss
-
-    # Each moment sharded as its parameter, the step counter replicated; the step's
-    # outputs pinned to its inputs' shardings, so that donation reuses every buffer.
-    replicated = NamedSharding(jax_mesh, P())
-    state_shardings = optax.tree_map_params(
-        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, variables), variables,
-        transform_non_params=lambda _: replicated)
-    box = [variables, jax.jit(tx.init, out_shardings=state_shardings)(variables)]
-    jitted = jax.jit(train_step, donate_argnums=(0, 1),
-                     out_shardings=(jax.tree.map(lambda a: a.sharding, variables),
-                                    state_shardings, replicated))
-
-    compiled = []  # compiled once, ahead: its memory analysis is that of the program run
-
-    def jax_step():
-        if not compiled:
-            compiled.append(jitted.lower(*box, xg, yg).compile())
-        box[0], box[1], loss = compiled[0](box[0], box[1], xg, yg)
-        jax.block_until_ready((box, loss))
-        return loss
+    jax_step, box, compiled = pure_jax_step(flax_block.apply, variables, xg, yg, jax_mesh)
 
     steps = {"sharded": torch_step("sharded", sharded),
              "sharded remat_stack": torch_step("sharded remat_stack", stacked),
@@ -235,31 +348,7 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
              "sharded remat_stack bf16": torch_step("sharded remat_stack bf16", stacked_bf16),
              "fully_shard whole bf16": torch_step("fully_shard whole bf16", whole_bf16)}
 
-    def global_loss(loss) -> float:
-        if isinstance(loss, jax.Array):  # the mean over the global batch, replicated
-            return float(loss.addressable_data(0))
-        loss = loss.clone()
-        dist.all_reduce(loss)  # each rank's mean over its half; halves of equal size
-        return float(loss) / world
-
-    report = {"first": {}, "losses": {}, "times": {n: [] for n in NAMES}, "dims": dims}
-    for name in NAMES:  # the checked steps, the first one compiling
-        dist.barrier()
-        start = time.perf_counter()
-        loss = steps[name]()
-        report["first"][name] = time.perf_counter() - start
-        report["losses"][name] = [global_loss(loss), global_loss(steps[name]())]
-        for _ in range(spec["warmup"]):
-            steps[name]()
-    for _ in range(spec["rounds"]):  # interleaved: machine noise hits every contestant alike
-        for name in NAMES:
-            dist.barrier()  # both ranks start the step together: a round's time is the max
-            start = time.perf_counter()
-            steps[name]()
-            report["times"][name].append(time.perf_counter() - start)
-
-    def addressable(tree) -> int:
-        return sum(a.addressable_data(0).nbytes for a in jax.tree.leaves(tree) if a.ndim)
+    report = dict(measure(steps, spec), dims=dims)
 
     report["held"] = {
         name: {"params": _local_bytes(module.parameters()),
@@ -269,8 +358,8 @@ def _worker(rank: int, world: int, port: int, out: str, spec: dict) -> None:
                              ("fully_shard whole", whole),
                              ("sharded remat_stack bf16", stacked_bf16),
                              ("fully_shard whole bf16", whole_bf16))}
-    report["held"]["pure JAX SPMD"] = {"params": addressable(box[0]),
-                                       "optimizer": addressable(box[1])}
+    report["held"]["pure JAX SPMD"] = {"params": _addressable(box[0]),
+                                       "optimizer": _addressable(box[1])}
     report["programs"] = {
         "sharded": _bridge_programs(sharded),
         "sharded remat_stack": _bridge_programs(stacked),
@@ -300,37 +389,13 @@ def shard_rows(size_name: str, size: dict) -> list[dict]:
     describe = (f"RematScan: {math.prod(lengths)} layers, nn.remat_scan{tuple(lengths)}, "
                 f"width {width}, batch {batch} per rank x {WORLD} ranks (gloo, CPU)")
     t0 = time.perf_counter()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY=os.environ.get(
-        "OMP_WAIT_POLICY", "PASSIVE"), PYTHONPATH=os.pathsep.join(
-        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH")) if p))  # the repo root
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "shard")
         with socket.socket() as sock:  # a free port for torch's rendezvous
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        logs = [Path(tmp) / f"rank{r}.log" for r in range(WORLD)]
-        procs = []
-        # Output to files, not pipes: a rank blocked on a full pipe would hang the other.
-        for rank, log in enumerate(logs):
-            with open(log, "w") as sink:
-                procs.append(subprocess.Popen(
-                    [sys.executable, __file__, "--worker", str(rank), str(WORLD), str(port),
-                     out, json.dumps(spec)], env=env, stdout=sink, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 600
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass  # killed below: its exit code says so
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            tails = "\n".join(f"rank {r} exited with {p.returncode}:\n{log.read_text()[-3000:]}"
-                              for r, (p, log) in enumerate(zip(procs, logs, strict=True)))
-            raise RuntimeError(f"shard_rows({size_name!r}): a worker failed\n{tails}")
+        launch(__file__, [str(WORLD), str(port), out, json.dumps(spec)], WORLD, worker_env(),
+               tmp, f"shard_rows({size_name!r})")
         ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(WORLD)]
     # A round's time is its slower rank's (the ranks wait for each other at every gather).
     times = {n: statistics.median(map(max, zip(*(r["times"][n] for r in ranks), strict=True)))
