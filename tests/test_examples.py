@@ -167,7 +167,7 @@ def _check_shard2d(done, out) -> None:
     assert float(re.search(r"max relative difference ([\d.e+-]+)", done.stdout).group(1)) <= 1e-4
     for name in ("sharded 2-D", "sharded remat_stack 2-D", "fully_shard whole",
                  "pure JAX SPMD 2-D"):
-        assert re.search(rf"^\| {name} \| [\d.]+ ms \|", done.stdout, re.M), done.stdout
+        assert re.search(rf"^\| {name} \| [\d.]+ [mu]?s \|", done.stdout, re.M), done.stdout
         assert re.search(rf"^\| {name} \| (forward_with_residuals|step) \|", done.stdout,
                          re.M), done.stdout
 

@@ -21,8 +21,9 @@ timed rounds; a round's time is its slowest rank's. Printed: the median step, ra
 pure JAX and to ``fully_shard``, what a rank holds (parameters, AdamW moments) and each XLA
 program's peak (memory analysis) and collectives in and out of loop bodies.
 
-How to run: ``python examples/bench/shard2d.py`` (it starts the 4 processes; about two
-minutes on 2 cores); ``--quick`` for a small one. Four processes on this 2-core machine
+How to run: ``python examples/bench/shard2d.py`` (it starts the 4 processes; a few minutes
+on 2 cores); ``--quick`` for a small one; ``--docs docs/benchmarks.md`` also writes the
+tables there. Four processes on this 2-core machine
 share the cores: the step times are each contestant's under the same contention, so only
 the ratios of one run compare.
 """
@@ -40,8 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's idle threads must not spin
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _docs  # noqa: E402
+from _report import fmt_bytes, fmt_time  # noqa: E402
 from _shard import launch, worker_env  # noqa: E402
 
 NAMES = ("sharded 2-D", "sharded remat_stack 2-D", "fully_shard whole", "pure JAX SPMD 2-D")
@@ -215,14 +219,15 @@ def _run(spec: dict) -> list[dict]:
         return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(WORLD)]
 
 
-def _bytes(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small block, 2 rounds")
+    parser.add_argument("--docs", default=None, metavar="PATH",
+                        help="also write the tables as the shard2d block of this markdown "
+                             "file (docs/benchmarks.md: the default size only)")
     args = parser.parse_args()
+    if args.docs:
+        _docs.check_target(args.docs, full=not args.quick, script="shard2d.py")
     spec = (dict(width=32, depth=4, batch=8, warmup=0, rounds=2) if args.quick else
             dict(width=256, depth=16, batch=64, warmup=1, rounds=5))
     t0 = time.perf_counter()
@@ -233,35 +238,44 @@ def main() -> None:
     reference = losses["pure JAX SPMD 2-D"]
     mismatch = max(abs(v - r) / abs(r) for n in NAMES
                    for v, r in zip(losses[n], reference, strict=True))
-    whole = ranks[0]["whole_params"]
-    print(f"TPScan: {spec['depth']} layers, width {spec['width']}, batch {spec['batch']} per "
-          f"'fsdp' rank; mesh ('fsdp', 'tensor') = {SHAPE}, 4 gloo processes on "
-          f"{os.cpu_count()} CPU cores; {spec['rounds']} rounds; measured in "
-          f"{time.perf_counter() - t0:.0f} s")
-    print("global loss of step 1 and step 2: " + ", ".join(
-        f"{n} {v[0]:.6g} then {v[1]:.6g}" for n, v in losses.items())
-        + f"; max relative difference {mismatch:.1e}")
+    lines = [
+        f"TPScan: {spec['depth']} layers, width {spec['width']}, batch {spec['batch']} per "
+        f"'fsdp' rank; mesh ('fsdp', 'tensor') = {SHAPE}, 4 gloo processes on "
+        f"{os.cpu_count()} CPU cores; {spec['rounds']} rounds; measured in "
+        f"{time.perf_counter() - t0:.0f} s",
+        "global loss of step 1 and step 2: " + ", ".join(
+            f"{n} {v[0]:.6g} then {v[1]:.6g}" for n, v in losses.items())
+        + f"; max relative difference {mismatch:.1e}"]
     if mismatch > AGREE:
+        print("\n".join(lines))
         raise SystemExit("shard2d.py: the contestants disagree; no times")
-    print("\n| contestant | step | vs pure JAX | vs fully_shard | params held | AdamW state "
-          "held | largest program peak | first step |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     base, fsdp = times["pure JAX SPMD 2-D"], times["fully_shard whole"]
+    steps = []
     for n in NAMES:
-        held = max(r["held"][n]["params"] for r in ranks)
-        state = max(r["held"][n]["optimizer"] for r in ranks)
         peak = max(p["peak"] for r in ranks for p in r["programs"][n].values())
-        first = max(r["first"][n] for r in ranks)
-        print(f"| {n} | {times[n] * 1e3:.1f} ms | {times[n] / base:.2f}x | "
-              f"{times[n] / fsdp:.2f}x | {_bytes(held)} | {_bytes(state)} | {_bytes(peak)} | "
-              f"{first:.2f} s |")
-    print("\n| contestant | XLA program | peak | collectives in loop bodies | elsewhere |\n"
-          "|---|---|---:|---:|---:|")
-    for n in NAMES:
-        for kind, p in ranks[0]["programs"][n].items():
-            print(f"| {n} | {kind} | {_bytes(p['peak'])} | {p['in_loops']} | "
-                  f"{p['elsewhere']} |")
-    print(f"\nwhole block {_bytes(whole)} of parameters; sharded as: " + ", ".join(
-        f"{k} {v}" for k, v in sorted(ranks[0]["specs"].items())))
+        steps.append([n, fmt_time(times[n]), f"{times[n] / base:.2f}x",
+                      f"{times[n] / fsdp:.2f}x",
+                      fmt_bytes(max(r["held"][n]["params"] for r in ranks)),
+                      fmt_bytes(max(r["held"][n]["optimizer"] for r in ranks)), fmt_bytes(peak),
+                      f"{max(r['first'][n] for r in ranks):.2f} s"])
+    programs = [[n, kind, fmt_bytes(p["peak"]), str(p["in_loops"]), str(p["elsewhere"])]
+                for n in NAMES for kind, p in ranks[0]["programs"][n].items()]
+    tables = [
+        _docs.md_table(["contestant", "step", "vs pure JAX", "vs fully_shard", "params held",
+                        "AdamW state held", "largest program peak", "first step"], steps),
+        _docs.md_table(["contestant", "XLA program", "peak", "collectives in loop bodies",
+                        "elsewhere"], programs)]
+    notes = [f"whole block {fmt_bytes(ranks[0]['whole_params'])} of parameters; sharded as: "
+             + ", ".join(f"{k} {v}" for k, v in sorted(ranks[0]["specs"].items())),
+             "held and peak: the largest rank's; step: median over rounds of the slowest "
+             "rank's time; each worker runs torch on one thread"]
+    out = "\n\n".join(["\n".join(f"- {line}" for line in lines), *tables,
+                        "\n".join(f"- {note}" for note in notes)])
+    print(out)
+    if args.docs:
+        _docs.write_block(args.docs, "shard2d", "\n".join(
+            [f"Produced by `{_docs.command()}`.", "", *_docs.machine(), "", out]))
+        print(f"wrote the shard2d block of {args.docs}")
 
 
 if __name__ == "__main__":
