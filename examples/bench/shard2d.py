@@ -229,7 +229,7 @@ def main() -> None:
     if args.docs:
         _docs.check_target(args.docs, full=not args.quick, script="shard2d.py")
     spec = (dict(width=32, depth=4, batch=8, warmup=0, rounds=2) if args.quick else
-            dict(width=256, depth=16, batch=64, warmup=1, rounds=5))
+            dict(width=256, depth=16, batch=64, warmup=1, rounds=11))
     t0 = time.perf_counter()
     ranks = _run(spec)
     times = {n: statistics.median(map(max, zip(*(r["times"][n] for r in ranks), strict=True)))
