@@ -140,7 +140,7 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
         if mesh.ndim != 1:
             raise _shard_errors.mesh_unnamed(where, mesh)
         names = (DEFAULT_AXIS,)
-    batch_axes = _batch_axes(batch_axes, tuple(names), where)
+    batch_axes = _batch_axes(batch_axes, tuple(names), tuple(mesh.shape), where)
     ranks = mesh.mesh.numpy()
     if sorted(ranks.ravel().tolist()) != list(range(dist.get_world_size())):
         raise _shard_errors.mesh_not_every_rank(where, ranks.ravel().tolist(),
@@ -155,9 +155,18 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
             and not any(a in spec_axes(e) for spec in specs if spec is not None for e in spec)]
     if idle:  # e.g. axis_rules that name no parameter dimension for it (a typo, or none)
         warnings.warn(_shard_errors.idle_axes(where, idle, sizes, batch_axes), stacklevel=2)
+    casts, reduces = [], []
+    for t, is_param, _ in targets:
+        # FSDP2 casts floating parameters of another dtype than param_dtype (_fsdp_param.py).
+        casts.append(precision.param_dtype if is_param and t.is_floating_point()
+                     and precision.param_dtype not in (None, t.dtype) else None)
+        # FSDP2's reduce_dtype: None, or the dtype the gradient is computed in, sums as is.
+        computed = casts[-1] or t.dtype
+        reduces.append(precision.reduce_dtype if is_param and t.is_floating_point()
+                       and precision.reduce_dtype not in (None, computed) else None)
     per_rank = len(batch_axes) == 1 and all(n == 1 for a, n in sizes.items()
                                             if a not in batch_axes)
-    if not per_rank and precision.reduce_dtype not in (None, precision.param_dtype):
+    if not per_rank and any(r is not None for r in reduces):
         raise _shard_errors.reduce_dtype_on_mesh(where, precision.reduce_dtype, tuple(names),
                                                  tuple(mesh.shape), batch_axes)
     start_jax_distributed(mesh.device_type)
@@ -167,15 +176,8 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
     if len(devices) != ranks.size:  # which device a process meant would be a guess
         raise _shard_errors.jax_devices_per_process(devices, ranks.size)
     jax_mesh = _jax_mesh(ranks, tuple(names), {d.process_index: d for d in devices})
-    casts, reduces, parameters = [], [], {}
+    parameters = {}
     for i, ((t, is_param, _), spec) in enumerate(zip(targets, specs, strict=True)):
-        # FSDP2 casts floating parameters of another dtype than param_dtype (_fsdp_param.py).
-        casts.append(precision.param_dtype if is_param and t.is_floating_point()
-                     and precision.param_dtype not in (None, t.dtype) else None)
-        # FSDP2's reduce_dtype: None, or the dtype the gradient is computed in, sums as is.
-        computed = casts[-1] or t.dtype
-        reduces.append(precision.reduce_dtype if is_param and t.is_floating_point()
-                       and precision.reduce_dtype not in (None, computed) else None)
         if not is_param:
             continue
         placements = _placements(spec, tuple(names))
@@ -301,12 +303,14 @@ class ShardPlan:
         return self.on_mesh.sharding(spec)
 
 
-def _batch_axes(batch_axes, names: tuple, where: str) -> tuple:
+def _batch_axes(batch_axes, names: tuple, shape: tuple, where: str) -> tuple:
     """``shard``'s ``batch_axes`` as a tuple of mesh dimension names, in mesh order.
 
     In mesh order: a rank's rows of the global batch are block ``i`` of the batch axes'
     ranks counted in that order (``i = i_fsdp * n_tensor + i_tensor`` for both axes of
-    ``("fsdp", "tensor")``), as JAX splits a dimension over several axes.
+    ``("fsdp", "tensor")``), as JAX splits a dimension over several axes. Axes of one rank
+    split nothing and are dropped (the first kept if all are), so that an ``(N, 1)`` mesh
+    with ``batch_axes=("fsdp", "tensor")`` runs as the one-dimensional mesh it is.
     """
     if batch_axes is None:
         return names[:1]
@@ -314,7 +318,9 @@ def _batch_axes(batch_axes, names: tuple, where: str) -> tuple:
     if (not isinstance(given, tuple | list) or not given
             or any(a not in names for a in given) or len(set(given)) != len(given)):
         raise _shard_errors.batch_axes_unknown(where, batch_axes, names)
-    return tuple(a for a in names if a in given)
+    ordered = tuple(a for a in names if a in given)
+    sizes = dict(zip(names, shape, strict=True))
+    return tuple(a for a in ordered if sizes[a] > 1) or ordered[:1]
 
 
 def _jax_mesh(ranks: np.ndarray, names: tuple, by_process: dict) -> jax.sharding.Mesh:

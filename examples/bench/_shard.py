@@ -17,7 +17,8 @@ ranks in float32): ``sharded remat_stack bf16`` (``shard(..., mp_policy=...)``) 
 
 A step: forward on the rank's half of the batch, MSE loss, backward, update. Each contestant
 first runs two checked steps: the global losses of step 1 (the forward, same weights) and
-step 2 (after one update: gradients and AdamW) must agree, or no times are printed.
+step 2 (after one AdamW update, which a gradient's scale barely moves: the tests compare
+gradients themselves) must agree, or no times are printed.
 
 How to run: ``python examples/bench/benchmark.py --only shard --quick``; it starts the
 workers, ``python examples/bench/_shard.py --worker RANK WORLD PORT OUT SPEC``.

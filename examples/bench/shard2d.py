@@ -16,13 +16,15 @@ Contestants, the same weights and data, trained with AdamW:
   sharded as ``shard`` placed them, one jitted ``value_and_grad`` and ``optax.adamw``
   step, parameters and state donated.
 
-Each runs two checked steps first (their global losses must agree), then interleaved
+Each runs two checked steps first (their global losses must agree: the forward, then
+AdamW's update, which a gradient's scale barely moves; tests/trainers/test_shard_2d.py
+compares the gradients themselves), then interleaved
 timed rounds; a round's time is its slowest rank's. Printed: the median step, ratios to
 pure JAX and to ``fully_shard``, what a rank holds (parameters, AdamW moments) and each XLA
 program's peak (memory analysis) and collectives in and out of loop bodies.
 
-How to run: ``python examples/bench/shard2d.py`` (it starts the 4 processes; a few minutes
-on 2 cores); ``--quick`` for a small one; ``--docs docs/benchmarks.md`` also writes the
+How to run: ``python examples/bench/shard2d.py`` (it starts the 4 processes; under a
+minute on 2 cores); ``--quick`` for a small one; ``--docs docs/benchmarks.md`` also writes the
 tables there. Four processes on this 2-core machine
 share the cores: the step times are each contestant's under the same contention, so only
 the ratios of one run compare.

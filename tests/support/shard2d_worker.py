@@ -18,8 +18,9 @@ scan. Each process saves ``OUT.RANK.pt`` (the reference ``OUT.ref.pt``): per blo
 the first step's gradients (the input's too) and the local shapes and placements, whether
 a deep copy of the scan block computes the same, and the NNX module's local shapes, whole
 initial values and output; the trained scan block is saved with
-``torch.distributed.checkpoint`` to ``OUT.dcp`` (the reference: ``OUT.ref-dcp``); and
-what ``shard`` warns when no parameter is split over "tensor" (no ``axis_rules``).
+``torch.distributed.checkpoint`` to ``OUT.dcp`` (the reference: ``OUT.ref-dcp``); what
+``shard`` warns when no parameter is split over "tensor" (no ``axis_rules``), and what it
+raises for FSDP2's usual ``MixedPrecisionPolicy`` on this mesh.
 """
 
 import copy
@@ -136,6 +137,21 @@ def main(rank: int, world: int, port: str, out: str) -> None:
             warnings.simplefilter("always")  # without rules Linen's names map to nothing
             shard(makers["scan"](), mesh)
         report["idle_warning"] = [str(w.message) for w in caught]
+        # FSDP2's usual policy sums in float32 per rank only, on one batch axis: refused on
+        # this mesh by name; a reduce_dtype that is the parameters' own dtype asks nothing.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        with torch.device("meta"):
+            refused, accepted = makers["scan"](), makers["scan"]()
+        try:
+            shard(refused, mesh, axis_rules=RULES, mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            report["reduce_dtype"] = "ran"
+        except ValueError as e:
+            report["reduce_dtype"] = str(e)
+        report["reduce_dtype_unchanged"] = refused._caller.plan is None
+        shard(accepted, mesh, axis_rules=RULES,
+              mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
         row = next(i for i, ranks in enumerate(MESH) if rank in ranks)
         rows = slice(row * BATCH // 2, (row + 1) * BATCH // 2)
     else:

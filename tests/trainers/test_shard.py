@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from jax.sharding import PartitionSpec as P
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from tests.support import ROOT
@@ -42,7 +41,7 @@ from tests.support.ranks import run_reference, run_two_ranks
 from tests.support.shard_worker import LENGTHS, build
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
-from torchside._shard import _leaf_spec
+from torchside._shard import _batch_axes, _leaf_spec
 
 pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
 
@@ -252,12 +251,12 @@ def test_a_mesh_shard_cannot_follow_is_refused_by_name_before_anything_changes(o
     with pytest.raises(ValueError, match=r"'params.Dense_0.kernel' has partition names "
                                          r"\('fsdp', 'fsdp'\).*over the mesh axis 'fsdp'"):
         shard(twice, named)
-    # FSDP2's usual policy sums in float32 only per rank, over one batch axis.
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"reduce_dtype=torch.float32 differs from the compute "
-                                         r"dtype.*batch_axes=\('fsdp', 'tensor'\).*Pass "
-                                         r"reduce_dtype=None"):
-        shard(m, named, batch_axes=("fsdp", "tensor"), mp_policy=policy)
+    # Batch axes of one rank split nothing: dropped (the first kept), so an (N, 1) mesh runs
+    # as the one-dimensional one it is (per-rank stacks, reduce_dtype).
+    assert _batch_axes(("fsdp", "tensor"), ("fsdp", "tensor"), (1, 1), "M") == ("fsdp",)
+    assert _batch_axes(("fsdp", "tensor"), ("fsdp", "tensor"), (4, 1), "M") == ("fsdp",)
+    assert _batch_axes(("fsdp", "tensor"), ("fsdp", "tensor"), (2, 2), "M") == (
+        "fsdp", "tensor")
     for module in (m, twice):
         assert module._caller.plan is None
         assert not any(isinstance(p, DTensor) for p in module.parameters())
@@ -302,7 +301,7 @@ for ranks in ([[0, 2], [1, 3]], [[0, 1], [2, 3]]):
                 ((2, 8, 6), (None, ("tensor", "fsdp"), None), None),
                 ((2, 8), (None, "tensor"), None), ((4, 3), None, None),
                 ((4, 3), None, "tensor"), ((8, 3), None, ("tensor", "fsdp"))]:
-            axes = _batch_axes(batch, names, "M")
+            axes = _batch_axes(batch, names, (2, 2), "M")
             spec = _leaf_spec("w", shape, dict(zip(names, (2, 2))), flax_names, axes, "M")
             where = NamedSharding(jax_mesh, P() if spec is None else spec)
             blocks = where.devices_indices_map(shape)

@@ -121,6 +121,10 @@ def test_a_block_on_a_2x2_mesh_trains_like_one_process_and_like_tp_plus_fsdp2(tm
         # Without axis_rules no parameter is split over "tensor": said, not left silent.
         assert any("no parameter is split over mesh dimension(s) ['tensor']" in w
                    and "axis_rules" in w for w in report["idle_warning"]), report["idle_warning"]
+        # reduce_dtype other than the compute dtype: only per rank, on one batch axis.
+        assert ("reduce_dtype=torch.float32 differs from the compute dtype" in
+                report["reduce_dtype"] and "Pass reduce_dtype=None" in report["reduce_dtype"]
+                and report["reduce_dtype_unchanged"]), report["reduce_dtype"]
     # Each "fsdp" coordinate's rows (ranks 0 and 2, then 1 and 3), the same on its
     # "tensor" ranks.
     for a, b in ((0, 2), (1, 3)):
