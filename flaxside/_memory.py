@@ -13,7 +13,7 @@ from flax import nnx
 
 from flaxside._device import describe, jax_default_device
 from flaxside._flat import ARRAY, flat_apply
-from flaxside._placement import OnDevice
+from flaxside._on_device import OnDevice
 from flaxside._program import Program
 from flaxside._specs import LeafSpec, is_differentiable
 

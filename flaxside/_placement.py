@@ -86,12 +86,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxside._device import compiling_for
 from flaxside._mesh_leaves import TRACING, ProgramLeaf
-from flaxside._pack import Alone, pack_by_rank, pack_plan, sharded_by_dtype, unpack_by_rank
+from flaxside._pack import Alone, pack_by_rank, sharded_by_dtype, unpack_by_rank
 from flaxside._per_rank import read_outside, refuse_unreduced
 from flaxside._specs import LeafSpec, spec_axes
 
@@ -108,70 +107,6 @@ def local_spec(traced: LeafSpec, sharding) -> LeafSpec:
 def placed(traced: LeafSpec, sharding) -> jax.ShapeDtypeStruct:
     """The abstract value a program is lowered with (unplaced where ``sharding`` is None)."""
     return jax.ShapeDtypeStruct(traced.shape, traced.dtype, sharding=sharding)
-
-
-class OnDevice:
-    """One device: every argument placed there, every result coming back there.
-
-    Args:
-        device: the JAX device; ``None`` leaves placement to JAX (its default device), as a
-            plain ``jax.jit`` would.
-    """
-
-    __slots__ = ("device",)
-
-    def __init__(self, device=None):
-        self.device = device
-
-    def __repr__(self):
-        return f"OnDevice({self.device})"
-
-    def compiling(self):
-        """Traces and lowerings inside it are for this device (``_device.py``)."""
-        return compiling_for(self.device)
-
-    def tracing(self, leaves, unreduced=None):
-        """While the program's function is traced: the leaves it is called on, as given."""
-        return contextlib.nullcontext(leaves)
-
-    def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
-        """Nothing to check: no leaf is summed over ranks (``OnMesh.check_reduced``)."""
-
-    def leaf_specs(self, n: int) -> tuple:
-        """Per leaf, its ``PartitionSpec`` over a mesh: none here."""
-        return (None,) * n
-
-    def traced(self, local: LeafSpec, spec) -> LeafSpec:
-        """The spec the bodies trace for an argument of spec ``local``: the same."""
-        return local
-
-    def sharding(self, spec=None):
-        """Where an array lives: the device (``None``: JAX decides)."""
-        return None if self.device is None else SingleDeviceSharding(self.device)
-
-    def result_specs(self, traced_out, n_out: int, traced_specs) -> tuple:
-        """Per result, its ``PartitionSpec`` over a mesh: none here."""
-        return (None,) * len(traced_out)
-
-    def pack_plan(self, avals, alone=None):
-        """Small arrays cross packed, one buffer per dtype (``_pack.py``)."""
-        return pack_plan(avals, alone)
-
-    def constrain(self, x, sharding):
-        """``x`` as a traced result leaves the program: as it is."""
-        return x
-
-    def pull(self, pull: Callable, cotangents, sharded_outputs, index) -> list:
-        """The gradients for ``cotangents`` (``pull``: the VJP in torch's convention)."""
-        return pull(cotangents)
-
-    def residual_shardings(self, compiled, n_results: int, count: int) -> list:
-        """Where the forward's residuals live: the device."""
-        return [self.sharding()] * count
-
-    def executable(self, compiled, in_avals) -> Callable[..., list]:
-        """What the torch side calls: the compiled program itself, no wrapper."""
-        return compiled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,9 @@ import numpy as np
 from flaxside._bodies import Structure, TracedBodies
 from flaxside._conventions import internal_assert
 from flaxside._depends import input_masks, linear_in_cotangent
+from flaxside._on_device import OnDevice
 from flaxside._pack import Alone
-from flaxside._placement import OnDevice, local_spec, placed
+from flaxside._placement import local_spec, placed
 from flaxside._specs import Carrying, LeafSpec, Learned, ResidualMap, is_differentiable
 
 jtu = jax.tree_util

@@ -21,11 +21,11 @@ from flaxside._linen import init_linen as init_linen
 from flaxside._memory import compile_for_report as compile_for_report
 from flaxside._memory import program_report as program_report
 from flaxside._nnx import Graph as Graph
+from flaxside._on_device import OnDevice as OnDevice
 from flaxside._pack import PACK_BYTES as PACK_BYTES
 from flaxside._pack import Alone as Alone
 from flaxside._pack import Packed as Packed
 from flaxside._pack import unpack as unpack
-from flaxside._placement import OnDevice as OnDevice
 from flaxside._placement import OnMesh as OnMesh
 from flaxside._program import Program as Program
 from flaxside._specs import LeafSpec as LeafSpec

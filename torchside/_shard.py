@@ -53,7 +53,6 @@ import warnings
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -62,6 +61,8 @@ from jax.sharding import PartitionSpec as P
 import bridge as bi
 from flaxside.internal import OnMesh, spec_axes
 from torchside import _errors, _shard_errors
+from torchside._shard_specs import batch_axes_on, dtensor_placements, leaf_spec
+from torchside._shard_specs import jax_mesh as jax_mesh_of
 
 DEFAULT_AXIS = "shard"
 
@@ -140,14 +141,14 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
         if mesh.ndim != 1:
             raise _shard_errors.mesh_unnamed(where, mesh)
         names = (DEFAULT_AXIS,)
-    batch_axes = _batch_axes(batch_axes, tuple(names), tuple(mesh.shape), where)
+    batch_axes = batch_axes_on(batch_axes, tuple(names), tuple(mesh.shape), where)
     ranks = mesh.mesh.numpy()
     if sorted(ranks.ravel().tolist()) != list(range(dist.get_world_size())):
         raise _shard_errors.mesh_not_every_rank(where, ranks.ravel().tolist(),
                                                 dist.get_world_size())
     targets = module._shard_targets(axis_rules)  # refuses a module already sharded
     sizes = dict(zip(names, mesh.shape, strict=True))  # in mesh order
-    specs = [_leaf_spec(name, tuple(t.shape), sizes, flax_names, batch_axes, where)
+    specs = [leaf_spec(name, tuple(t.shape), sizes, flax_names, batch_axes, where)
              if is_param and (t.is_floating_point() or t.is_complex()) else None
              for name, (t, is_param, flax_names) in zip(module._adapter.names, targets,
                                                          strict=True)]
@@ -175,12 +176,12 @@ def shard(module, mesh=None, *, axis_rules=None, mp_policy=None, batch_axes=None
     devices = jax.devices()
     if len(devices) != ranks.size:  # which device a process meant would be a guess
         raise _shard_errors.jax_devices_per_process(devices, ranks.size)
-    jax_mesh = _jax_mesh(ranks, tuple(names), {d.process_index: d for d in devices})
+    jax_mesh = jax_mesh_of(ranks, tuple(names), {d.process_index: d for d in devices})
     parameters = {}
     for i, ((t, is_param, _), spec) in enumerate(zip(targets, specs, strict=True)):
         if not is_param:
             continue
-        placements = _placements(spec, tuple(names))
+        placements = dtensor_placements(spec, tuple(names))
         if t.device.type == "meta":
             local_shape = [n // math.prod(sizes[a] for a in spec_axes(e))
                            for n, e in zip(t.shape, spec or (None,) * t.dim(), strict=True)]
@@ -301,83 +302,6 @@ class ShardPlan:
     def sharding(self, spec):
         """The JAX sharding of a variable placed by ``spec`` (``None``: replicated)."""
         return self.on_mesh.sharding(spec)
-
-
-def _batch_axes(batch_axes, names: tuple, shape: tuple, where: str) -> tuple:
-    """``shard``'s ``batch_axes`` as a tuple of mesh dimension names, in mesh order.
-
-    In mesh order: a rank's rows of the global batch are block ``i`` of the batch axes'
-    ranks counted in that order (``i = i_fsdp * n_tensor + i_tensor`` for both axes of
-    ``("fsdp", "tensor")``), as JAX splits a dimension over several axes. Axes of one rank
-    split nothing and are dropped (the first kept if all are), so that an ``(N, 1)`` mesh
-    with ``batch_axes=("fsdp", "tensor")`` runs as the one-dimensional mesh it is.
-    """
-    if batch_axes is None:
-        return names[:1]
-    given = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-    if (not isinstance(given, tuple | list) or not given
-            or any(a not in names for a in given) or len(set(given)) != len(given)):
-        raise _shard_errors.batch_axes_unknown(where, batch_axes, names)
-    ordered = tuple(a for a in names if a in given)
-    sizes = dict(zip(names, shape, strict=True))
-    return tuple(a for a in ordered if sizes[a] > 1) or ordered[:1]
-
-
-def _jax_mesh(ranks: np.ndarray, names: tuple, by_process: dict) -> jax.sharding.Mesh:
-    """The JAX mesh of torch's mesh ``ranks``, dimensions ``names``.
-
-    Position ``(i, j)`` holds process ``ranks[i, j]``'s device (process id = torch rank), so
-    that DTensor's shard ``(i, j)`` and JAX's are one.
-    """
-    return jax.sharding.Mesh(np.vectorize(by_process.__getitem__, otypes=[object])(ranks),
-                             names)
-
-
-def _placements(spec, names: tuple) -> list:
-    """DTensor placements of a parameter placed by ``spec`` over a mesh of ``names``.
-
-    Mesh dimension ``k`` shards the tensor dimension whose entry names its axis, else
-    replicates; entries are in mesh order, the order DTensor splits a dimension sharded
-    over two mesh dimensions in (``[Shard(d), Shard(d)]``).
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    axes = [spec_axes(e) for e in spec] if spec is not None else []
-    return [next((Shard(d) for d, a in enumerate(axes) if name in a), Replicate())
-            for name in names]
-
-
-def _leaf_spec(name: str, shape: tuple, sizes: dict, flax_names, batch_axes: tuple,
-               where: str):
-    """A parameter's ``PartitionSpec`` over a mesh of ``sizes`` (axis: size, mesh order).
-
-    Flax's partitioning metadata where it has names (mesh axes after ``axis_rules``): each
-    dimension over the axes its entry names that the mesh has, in mesh order, none where
-    their product does not divide it; axes of one rank are dropped. Without metadata,
-    FSDP-style: the last dimension that divides by the batch axes' product, over them.
-    ``None``: replicated.
-    """
-    if flax_names is not None:
-        entries, seen = [], set()
-        for d, entry in enumerate(flax_names):
-            axes = tuple(a for a in sizes if a in spec_axes(entry))
-            for a in axes:
-                if a in seen:
-                    raise _shard_errors.axis_on_two_dims(where, name, tuple(flax_names), a)
-                seen.add(a)
-            # Axes of one rank shard nothing: dropped, so that a leaf on a mesh like
-            # ("fsdp", "tensor") = (N, 1) is split over the batch axes alone (batch_dim).
-            axes = tuple(a for a in axes if sizes[a] > 1)
-            if axes and shape[d] % math.prod(sizes[a] for a in axes):
-                axes = ()
-            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return P(*entries) if any(e is not None for e in entries) else None
-    n = math.prod(sizes[a] for a in batch_axes)
-    for d in reversed(range(len(shape)) if n > 1 else ()):
-        if shape[d] % n == 0 and shape[d] >= n:
-            return P(*((batch_axes[0] if len(batch_axes) == 1 else batch_axes)
-                       if k == d else None for k in range(len(shape))))
-    return None
 
 
 # -- JAX's distributed runtime, from torch's --------------------------------------------------

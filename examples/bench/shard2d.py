@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _docs  # noqa: E402
 from _report import fmt_bytes, fmt_time  # noqa: E402
-from _shard import launch, worker_env  # noqa: E402
+from _spmd import launch, worker_env  # noqa: E402
 
 NAMES = ("sharded 2-D", "sharded remat_stack 2-D", "fully_shard whole", "pure JAX SPMD 2-D")
 WORLD, SHAPE = 4, (2, 2)
@@ -107,7 +107,7 @@ def _worker(rank: int, port: int, out: str, spec: dict) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    from _shard import (
+    from _spmd import (
         _addressable,
         _bridge_programs,
         _local_bytes,

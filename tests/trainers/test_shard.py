@@ -22,17 +22,13 @@ and ``torch.func`` are refused by name; a deep copy stays sharded; and
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import warnings
 
-import flax.linen as nn
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import DTensor
 
 from tests.support import ROOT
@@ -41,7 +37,6 @@ from tests.support.ranks import run_reference, run_two_ranks
 from tests.support.shard_worker import LENGTHS, build
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
-from torchside._shard import _batch_axes, _leaf_spec
 
 pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
 
@@ -199,20 +194,6 @@ def test_shard_without_a_process_group_is_refused_by_name():
     assert not any(isinstance(p, DTensor) for p in m.parameters())
 
 
-@pytest.fixture
-def one_rank():
-    """A gloo process group of this process alone, destroyed after the test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_shard_after_jax_made_its_backends_says_how_to_order_it(one_rank):
     """JAX's distributed runtime must come first; this process ran JAX long ago."""
     m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
@@ -220,118 +201,6 @@ def test_shard_after_jax_made_its_backends_says_how_to_order_it(one_rank):
                                            r"makes its backends.*torch.device\('meta'\)"):
         shard(m)
     assert not any(isinstance(p, DTensor) for p in m.parameters())
-
-
-class _TwiceOnOneAxis(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(8, kernel_init=nn.with_partitioning(
-            nn.initializers.lecun_normal(), ("fsdp", "fsdp")))(x)
-
-
-def test_a_mesh_shard_cannot_follow_is_refused_by_name_before_anything_changes(one_rank):
-    """A mesh of several dimensions needs names (which splits the batch, which Flax's names
-    mean); ``batch_axes`` must name a dimension; an axis shards one dimension of a
-    parameter. Each refused before JAX's runtime starts, the module left as it was."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    with torch.device("meta"):
-        m = FlaxModule(ReadmeDeep(width=8), example_args=(torch.zeros(2, 8),))
-        twice = FlaxModule(_TwiceOnOneAxis(), example_args=(torch.zeros(2, 8),))
-    with pytest.raises(ValueError, match=r"mesh has 2 dimensions \(1, 1\) and no names.*"
-                                         r"mesh_dim_names=\('fsdp', 'tensor'\)"):
-        shard(m, DeviceMesh("cpu", [[0]]))
-    named = DeviceMesh("cpu", [[0]], mesh_dim_names=("fsdp", "tensor"))
-    with pytest.raises(ValueError, match=r"batch_axes='dp', but the mesh's dimensions "
-                                         r"are \('fsdp', 'tensor'\)"):
-        shard(m, named, batch_axes="dp")
-    with pytest.raises(ValueError, match=r"batch_axes=\('fsdp', 'fsdp'\).*a tuple of "
-                                         r"distinct ones"):
-        shard(m, named, batch_axes=("fsdp", "fsdp"))
-    with pytest.raises(ValueError, match=r"'params.Dense_0.kernel' has partition names "
-                                         r"\('fsdp', 'fsdp'\).*over the mesh axis 'fsdp'"):
-        shard(twice, named)
-    # Batch axes of one rank split nothing: dropped (the first kept), so an (N, 1) mesh runs
-    # as the one-dimensional one it is (per-rank stacks, reduce_dtype).
-    assert _batch_axes(("fsdp", "tensor"), ("fsdp", "tensor"), (1, 1), "M") == ("fsdp",)
-    assert _batch_axes(("fsdp", "tensor"), ("fsdp", "tensor"), (4, 1), "M") == ("fsdp",)
-    assert _batch_axes(("fsdp", "tensor"), ("fsdp", "tensor"), (2, 2), "M") == (
-        "fsdp", "tensor")
-    for module in (m, twice):
-        assert module._caller.plan is None
-        assert not any(isinstance(p, DTensor) for p in module.parameters())
-
-
-@pytest.mark.parametrize("shape, names, tensor, want", [
-    ((2, 8, 64), (None, "fsdp", "tensor"), 2, P(None, "fsdp", "tensor")),
-    ((2, 8, 64), (None, ("tensor", "fsdp"), None), 2, P(None, ("fsdp", "tensor"), None)),
-    ((2, 6, 64), (None, ("fsdp", "tensor"), "x"), 2, None),  # 6 % 4: none; "x": no such axis
-    ((2, 8), (None, "tensor"), 2, P(None, "tensor")),  # named for "tensor" only: not fsdp
-    ((4, 3), None, 2, P("fsdp", None)),  # no names: FSDP-style, the last that divides by 2
-    ((3,), None, 2, None),
-    # An axis of one rank shards nothing: dropped, so the leaf is split over the batch
-    # axis alone (else remat_stack's per-rank route gathered it whole before its loop).
-    ((2, 8, 64), (None, "fsdp", "tensor"), 1, P(None, "fsdp", None)),
-])
-def test_a_parameters_spec_on_a_2d_mesh(shape, names, tensor, want):
-    """Flax's names in mesh order (torch splits a dimension sharded twice in mesh order)."""
-    sizes = {"fsdp": 2, "tensor": tensor}
-    assert _leaf_spec("w", shape, sizes, names, ("fsdp",), "M") == want
-
-
-_PLACEMENTS = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import jax, numpy as np, torch, torch.distributed as dist
-from jax.sharding import NamedSharding, PartitionSpec as P
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torchside._shard import _batch_axes, _jax_mesh, _leaf_spec, _placements
-
-devices = jax.devices()
-checked = 0
-for ranks in ([[0, 2], [1, 3]], [[0, 1], [2, 3]]):
-    for names in (("fsdp", "tensor"), ("tensor", "fsdp")):
-        jax_mesh = _jax_mesh(np.array(ranks), names, dict(enumerate(devices)))
-        for shape, flax_names, batch in [
-                ((2, 8, 64), (None, "fsdp", "tensor"), None),
-                ((2, 8, 64), (None, "tensor", "fsdp"), None),
-                ((2, 8, 6), (None, ("fsdp", "tensor"), None), None),
-                ((2, 8, 6), (None, ("tensor", "fsdp"), None), None),
-                ((2, 8), (None, "tensor"), None), ((4, 3), None, None),
-                ((4, 3), None, "tensor"), ((8, 3), None, ("tensor", "fsdp"))]:
-            axes = _batch_axes(batch, names, (2, 2), "M")
-            spec = _leaf_spec("w", shape, dict(zip(names, (2, 2))), flax_names, axes, "M")
-            where = NamedSharding(jax_mesh, P() if spec is None else spec)
-            blocks = where.devices_indices_map(shape)
-            whole = torch.arange(int(np.prod(shape))).reshape(shape)
-            for rank in range(4):
-                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
-                try:
-                    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=names)
-                    mine = distribute_tensor(whole, mesh, _placements(spec, names),
-                                             src_data_rank=None).to_local()
-                finally:
-                    dist.destroy_process_group()
-                want = whole[blocks[devices[rank]]]
-                assert torch.equal(mine, want), (ranks, names, shape, flax_names, batch, rank)
-                checked += 1
-print("checked", checked)
-"""
-
-
-def test_dtensor_shards_are_the_blocks_jax_gives_each_process_on_a_2d_mesh():
-    """For each kind of spec (an axis per dimension, two on one dimension in either order,
-    the tensor axis only, FSDP-style over one or two batch axes), on meshes in and out of
-    rank order with either dimension first: rank r's local shard of ``distribute_tensor``
-    with ``shard``'s placements is the block JAX's sharding gives process r on the mesh
-    ``shard`` builds. A fake process group per rank; four host devices in a subprocess."""
-    done = subprocess.run([sys.executable, "-c", _PLACEMENTS], cwd=ROOT, text=True,
-                          capture_output=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-1] == str(2 * 2 * 8 * 4), done.stdout
 
 
 _MANY_DEVICES = """
