@@ -66,7 +66,7 @@ class TracedBodies:
         """
         with (self.placement.tracing(list(leaves), unreduced) as read,  # NOTE [Mixed precision]
               jax.default_matmul_precision(self.precision)):
-            out, aux, write_back = self.fn(read)
+            out, aux, write_back = self.placement.call(self.fn, read)
         out_leaves, out_treedef = jtu.tree_flatten(out)
         for i, leaf in enumerate(out_leaves):
             check_output_leaf(leaf, out_treedef, i, self.name)

@@ -9,6 +9,7 @@ the arrays it was handed are the program's leaves, sharded or cast, and tells
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any, NamedTuple
 
@@ -58,3 +59,26 @@ def reduced_per_rank(arrays) -> None:
     ``arrays``: its leaves as read; summed in the dtype ``OnMesh.reduce`` asks.
     """
     TRACING.get()[2].update(id(a) for a in arrays)
+
+
+@contextlib.contextmanager
+def traced_again(read: list, again: list):
+    """While the function is traced again on ``again``, new tracers standing for ``read``.
+
+    Inside, ``program_leaves`` knows each of ``again`` as the leaf it stands for, and what
+    a per-rank stack reports reducing reaches the program's trace as ``read``'s (NOTE
+    [Packed scans] in ``_packed_scans.py`` traces the function once more to a jaxpr).
+    """
+    tracing = TRACING.get()
+    if tracing is None:
+        yield
+        return
+    placement, known, reduced = tracing
+    inner = set()
+    token = TRACING.set((placement, {id(b): known[id(a)] for a, b in
+                                     zip(read, again, strict=True) if id(a) in known}, inner))
+    try:
+        yield
+    finally:
+        TRACING.reset(token)
+        reduced.update(id(a) for a, b in zip(read, again, strict=True) if id(b) in inner)

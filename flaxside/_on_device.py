@@ -36,6 +36,10 @@ class OnDevice:
         """While the program's function is traced: the leaves it is called on, as given."""
         return contextlib.nullcontext(leaves)
 
+    def call(self, fn: Callable, read: list):
+        """``fn(read)`` inside ``tracing`` (``OnMesh.call`` moves a stock scan's gathers)."""
+        return fn(read)
+
     def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
         """Nothing to check: no leaf is summed over ranks (``OnMesh.check_reduced``)."""
 

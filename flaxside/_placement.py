@@ -46,13 +46,14 @@ program's leaves (by identity) are sharded on which dimension (``program_leaves`
 ``OnMesh.gathered`` packs a layer's shards rank by rank (``pack_by_rank``: each rank's own
 shards side by side, so packing moves nothing between ranks), constrains the buffer
 replicated (one all-gather) and unpacks it; ``OnMesh.scattered`` packs the layer's
-gradients the same way and constrains the buffer sharded. One gather per layer, per dtype.
-The reduction is the partitioner's: an all-reduce of each gradient where the op contracting
-the batch makes it, which XLA's all-reduce combiner (CPU and GPU backends) merges into one
-tuple per loop body, moving full gradients. Where a layer computes the same per rank, the
-stack runs per rank instead and moves each layer both ways with one all-to-all, the
-gradient's a reduce-scatter (NOTE [Per-rank stacks] in ``_per_rank.py``); ``gathered``
-and ``scattered`` here are the route for the other layers.
+gradients the same way and constrains the buffer sharded. One gather per layer, per
+dtype (a stock scan's layers the same way, reached through its jaxpr: NOTE [Packed scans]
+in ``_packed_scans.py``). The reduction is the partitioner's: an all-reduce of each
+gradient where the op contracting the batch makes it, which XLA's all-reduce combiner
+(CPU and GPU backends) merges into one tuple per loop body, moving full gradients. Where a
+layer computes the same per rank, the stack runs per rank instead and moves each layer
+both ways with one all-to-all, the gradient's a reduce-scatter (NOTE [Per-rank stacks] in
+``_per_rank.py``); ``gathered`` and ``scattered`` here are the route for the other layers.
 
 NOTE [Mixed precision]. A placement over a mesh may read parameters in another dtype than
 they are held in, as FSDP2's ``MixedPrecisionPolicy`` does: ``OnMesh.cast`` gives per leaf
@@ -89,8 +90,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxside._mesh_leaves import TRACING, ProgramLeaf
+from flaxside._mesh_leaves import TRACING, ProgramLeaf, program_leaves
 from flaxside._pack import Alone, pack_by_rank, sharded_by_dtype, unpack_by_rank
+from flaxside._packed_scans import packed_scans
 from flaxside._per_rank import read_outside, refuse_unreduced
 from flaxside._specs import LeafSpec, spec_axes
 
@@ -203,6 +205,17 @@ class OnMesh:
         if unreduced is not None:
             unreduced.extend(k for k, (x, r) in enumerate(zip(read, reduces, strict=True))
                              if r is not None and id(x) not in reduced)
+
+    def call(self, fn: Callable, read: list):
+        """``fn(read)`` inside ``tracing``, a stock scan's layer gathered as one buffer.
+
+        NOTE [Packed scans] (``_packed_scans.py``): each leaf split over the batch axes
+        alone is followed into the scans that slice it, and gathered there with
+        ``gathered``.
+        """
+        _, found = program_leaves(read)
+        dims = [None if f is None else f.dim for f in found]
+        return packed_scans(fn, read, dims, self.gathered)
 
     def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
         """Refuses a program that cannot sum a leaf's gradient in the dtype ``reduce`` asks.

@@ -125,13 +125,17 @@ def _check(fn, leaves, batch_leaves: int = 1, dims=None):
 
 
 def _linen(width: int, lengths, policy=None):
-    stack = flaxside.remat_stack(ReadmeBlock, int(np.prod(lengths)), lengths=lengths,
-                                 policy=policy, width=width)
+    return applied(flaxside.remat_stack(ReadmeBlock, int(np.prod(lengths)), lengths=lengths,
+                                        policy=policy, width=width), width)
+
+
+def applied(module: nn.Module, width: int):
+    """A Linen module's program function over ``(*variables, x)``, and those leaves."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, width)), jnp.float32)
-    variables = stack.init(jax.random.key(0), x)
+    variables = module.init(jax.random.key(0), x)
     leaves, treedef = jtu.tree_flatten(variables)
     _, args = jtu.tree_flatten(((x,), {}))
-    fn = flat_apply(lambda v, *a: (stack.apply(v, *a), [], None), treedef, args, (ARRAY,))
+    fn = flat_apply(lambda v, *a: (module.apply(v, *a), [], None), treedef, args, (ARRAY,))
     return fn, [*leaves, x]
 
 

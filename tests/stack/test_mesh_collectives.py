@@ -1,4 +1,5 @@
-"""``remat_stack`` over a mesh gathers each layer in one collective (``mesh_cases.py``).
+"""Stacks over a mesh gather each layer in one collective: ``remat_stack``'s
+(``mesh_cases.py``) and stock scans' (``packed_scan_cases.py``).
 
 The cases need two host devices, which JAX takes only when it starts: they run here in a
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``. The same over two
@@ -18,3 +19,11 @@ def test_remat_stack_cases_on_two_host_devices(tmp_path):
                                              tmp_path / "mesh_cases.log")
     assert code == 0, out[-6000:]
     assert counts == {"passed": 14}, out[-2000:]
+
+
+def test_stock_scan_cases_on_two_host_devices(tmp_path):
+    env = subprocess_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    code, out, counts = pytest_in_subprocess(ROOT / "tests" / "stack" / "packed_scan_cases.py",
+                                             env, tmp_path / "packed_scan_cases.log")
+    assert code == 0, out[-6000:]
+    assert counts == {"passed": 6}, out[-2000:]

@@ -1,0 +1,110 @@
+"""Stock scans over a mesh: one collective per layer, run by test_mesh_collectives.py.
+
+Not collected by the main run (no ``test_`` prefix): two host devices, in a subprocess.
+Each case builds a ``flaxside`` program of a stock Flax stack (``nn.remat_scan``,
+``nn.scan`` with and without ``nn.remat``, ``nnx.scan``) placed ``OnMesh`` over the two
+devices, checks its results and gradients against the same program on one device, and
+counts each loop body's collectives (NOTE [Packed scans] in ``flaxside/_packed_scans.py``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from tests.stack.mesh_cases import N, NnxBlock, _check, _programs, applied
+from tests.support.twins import RematScanStack, ResidualMLPBlock
+
+jtu = jax.tree_util
+WIDTH = 16
+
+
+class Scanned(nn.Module):
+    """``ResidualMLPBlock`` by ``nn.scan``, remat'd per layer with ``policy`` or not."""
+
+    depth: int
+    remat: bool
+    policy: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(ResidualMLPBlock, policy=self.policy) if self.remat else (
+            ResidualMLPBlock)
+        stack = nn.scan(lambda mdl, c, _: (mdl(c), None), variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=self.depth)
+        return stack(block(WIDTH), x, None)[0]
+
+
+def _linen(module):
+    return applied(module, WIDTH)
+
+
+def _one_gather_per_body(counts) -> None:
+    """Each loop body gathers its layer in at most one all-gather, and some body does; its
+    gradients' reductions are the partitioner's, one all-reduce after XLA's combiner."""
+    for kind, bodies in counts.items():
+        assert any("all-gather" in ops for ops in bodies), (kind, bodies)
+        for ops in bodies:
+            assert ops.count("all-gather") <= 1, (kind, bodies)
+            assert ops.count("all-reduce") + ops.count("reduce-scatter") <= 1, (kind, bodies)
+
+
+def _residual_bytes(program) -> int:
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+               for s in program.residual_map().residual_specs)
+
+
+def _check_stock(fn, leaves) -> None:
+    """Equal to one device, one gather per loop body, and what the forward keeps for the
+    backward each rank's half of what one device keeps: no layer's gathered parameters
+    (a scan that kept them would hold the whole block gathered, stacked)."""
+    _one_gather_per_body(_check(fn, leaves))
+    sharded, whole, *_ = _programs(fn, leaves, 1)
+    assert _residual_bytes(sharded) <= _residual_bytes(whole) / N, (
+        sharded.residual_map().residual_specs, whole.residual_map().residual_specs)
+
+
+STACKS = {
+    "remat_scan": lambda: RematScanStack(WIDTH, (2, 3)),
+    "scan": lambda: Scanned(4, remat=False),
+    "scan-remat": lambda: Scanned(4, remat=True),
+    "scan-remat-dots": lambda: Scanned(4, remat=True,
+                                       policy=jax.checkpoint_policies.dots_saveable),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_a_stock_linen_stack_gathers_each_layer_in_one_collective(name):
+    _check_stock(*_linen(STACKS[name]()))
+
+
+def test_a_stock_nnx_scan_gathers_each_layer_in_one_collective():
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return NnxBlock(WIDTH, rngs=rngs)
+
+    graphdef, state = nnx.split(make(nnx.Rngs(0)))
+    leaves, treedef = jtu.tree_flatten(state)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, WIDTH)), jnp.float32)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(layer, c):
+        return layer(c)
+
+    def fn(ls):
+        return run(nnx.merge(graphdef, jtu.tree_unflatten(treedef, ls[:-1])), ls[-1]), [], None
+
+    _check_stock(fn, [*leaves, x])
+
+
+def test_without_packing_the_count_finds_a_gather_per_parameter(monkeypatch):
+    """The negative control: with ``OnMesh.call`` calling the function as it is, XLA's
+    partitioner gathers each parameter of a layer on its own, and the count sees it."""
+    from flaxside._placement import OnMesh
+
+    monkeypatch.setattr(OnMesh, "call", lambda self, fn, read: fn(read))
+    counts = _check(*_linen(STACKS["scan"]()))
+    assert max(ops.count("all-gather") for ops in counts["forward_with_residuals"]) > 1, counts
