@@ -31,6 +31,10 @@ come, recognises name and dot policies only and recomputes everything under othe
 callables: the same results, that body recomputed.) The gradients take the gather's
 transpose: the partitioner's reductions, as on ``remat_stack``'s partitioner route.
 
+Where the whole function computes the same on each rank's rows, it runs per rank instead,
+the gathers all-to-alls whose transpose reduce-scatters (``per_rank``: NOTE [Per-rank
+scans] in ``_per_rank_scans.py``).
+
 A leaf read anywhere else (outside every loop, as a scan's constant, by a ``custom_vjp``
 such as ``remat_stack``'s own loops, which gather for themselves, by a nested ``jit``) is
 left as it was, to the partitioner. Every other equation is bound as traced, so the
@@ -56,7 +60,8 @@ jtu = jax.tree_util
 GATHERED = "flaxside_gathered"  # the name a gathered layer's arrays carry (checkpoint_name)
 
 
-def packed_scans(fn: Callable, read: list, dims: list, gather: Callable):
+def packed_scans(fn: Callable, read: list, dims: list, gather: Callable,
+                 per_rank: Callable | None = None):
     """``fn(read)``, the scans that slice a split leaf gathering a layer as one buffer.
 
     Args:
@@ -64,6 +69,9 @@ def packed_scans(fn: Callable, read: list, dims: list, gather: Callable):
         read: the leaves it is called on (tracers of the program's trace).
         dims: per leaf, the dimension it is split on over the batch axes, or ``None``.
         gather: ``gather(arrays, dims) -> arrays``, one layer's slices replicated.
+        per_rank: ``per_rank(arrays, closed, read, dims)``: the results run per rank
+            (NOTE [Per-rank scans] in ``_per_rank_scans.py``), or ``None`` where they
+            cannot be; tried first where every split leaf is read in loops only.
 
     Returns:
         What ``fn`` returns, computed from the same equations (NOTE [Packed scans]).
@@ -84,7 +92,14 @@ def packed_scans(fn: Callable, read: list, dims: list, gather: Callable):
     closed = jax.make_jaxpr(arrays)(list(read))
     jaxpr = closed.jaxpr
     marks = {v: d for v, d in zip(jaxpr.invars, dims, strict=True) if d is not None}
-    results = _eval(jaxpr, closed.consts, list(read), marks, gather, in_loop=False)
+    results = None
+    # Per rank only where nothing closes over the program's trace (a remat_stack's own
+    # loops do: they read the leaves themselves, NOTE [One collective per layer]).
+    if (per_rank is not None and reached_in_loops(jaxpr, marks, in_loop=False)
+            and not any(isinstance(c, jax.core.Tracer) for c in closed.consts)):
+        results = per_rank(arrays, closed, list(read), dims)
+    if results is None:
+        results = evaluate(jaxpr, closed.consts, list(read), marks, gather, in_loop=False)
     n_aux = box["n_aux"]
     outs, aux = iter(results[: len(results) - n_aux]), results[len(results) - n_aux :]
     others = iter(box["others"])
@@ -96,14 +111,41 @@ def _direct(jaxpr, marks: dict) -> list:
     """The marked inputs of ``jaxpr`` read other than by handing them down to a loop."""
     used = set()
     for eqn in jaxpr.eqns:
-        down = _handed_down(eqn)
+        down = handed_down(eqn)
         used.update(v for k, v in enumerate(eqn.invars)
                     if isinstance(v, Var) and v in marks and k not in down)
     used.update(v for v in jaxpr.outvars if isinstance(v, Var) and v in marks)
     return [v for v in jaxpr.invars if v in used]
 
 
-def _handed_down(eqn) -> range:
+def reached_in_loops(jaxpr, marks: dict, in_loop: bool) -> bool:
+    """Whether each marked input is read inside loops only, on a dimension a gather splits.
+
+    Handed down by scans (never sliced on its split dimension: a slice on one rank) and
+    checkpoints; outside every loop, read by nothing else.
+    """
+    for eqn in jaxpr.eqns:
+        down = handed_down(eqn)
+        for k, v in enumerate(eqn.invars):
+            if not (isinstance(v, Var) and v in marks):
+                continue
+            if k not in down:
+                if not in_loop:
+                    return False
+                continue
+            if eqn.primitive.name == "scan":
+                body = eqn.params["jaxpr"].jaxpr
+                if not marks[v] or not reached_in_loops(
+                        body, {body.invars[k]: marks[v] - 1}, in_loop=True):
+                    return False
+            else:
+                body = eqn.params["jaxpr"]
+                if not reached_in_loops(body, {body.invars[k]: marks[v]}, in_loop):
+                    return False
+    return in_loop or not any(isinstance(v, Var) and v in marks for v in jaxpr.outvars)
+
+
+def handed_down(eqn) -> range:
     """Positions of ``eqn``'s inputs that reach its body sliced (a scan) or as they are."""
     name = eqn.primitive.name
     if name == "scan":
@@ -113,7 +155,7 @@ def _handed_down(eqn) -> range:
     return range(0)
 
 
-def _eval(jaxpr, consts, args, marks: dict, gather, in_loop) -> list:
+def evaluate(jaxpr, consts, args, marks: dict, gather, in_loop) -> list:
     """``jaxpr`` on ``args``, the marked inputs (``{var: dim}``) gathered where read.
 
     ``in_loop``: whether ``jaxpr`` runs inside a scan's body (outside every loop, nothing
@@ -169,7 +211,7 @@ def _scan(eqn, invals, down: dict, gather) -> list:
     consts = invals[:n_consts]
 
     def run(consts, carry, xs):
-        return _eval(body, closed.consts, [*consts, *carry, *xs], marks, gather, True)
+        return evaluate(body, closed.consts, [*consts, *carry, *xs], marks, gather, True)
 
     direct = _direct(body, marks)
     if direct:  # gathered here: not kept for the backward (NOTE above)
@@ -212,6 +254,6 @@ def _remat(eqn, invals, down: dict, gather, in_loop) -> list:
     marks = {body.invars[k]: d for k, d in down.items()}
 
     def run(*args):
-        return _eval(body, (), list(args), marks, gather, in_loop)
+        return evaluate(body, (), list(args), marks, gather, in_loop)
 
     return jax.checkpoint(run, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)

@@ -94,6 +94,7 @@ from flaxside._mesh_leaves import TRACING, ProgramLeaf, program_leaves
 from flaxside._pack import Alone, pack_by_rank, sharded_by_dtype, unpack_by_rank
 from flaxside._packed_scans import packed_scans
 from flaxside._per_rank import read_outside, refuse_unreduced
+from flaxside._per_rank_scans import per_rank_scans
 from flaxside._specs import LeafSpec, spec_axes
 
 jtu = jax.tree_util
@@ -211,11 +212,19 @@ class OnMesh:
 
         NOTE [Packed scans] (``_packed_scans.py``): each leaf split over the batch axes
         alone is followed into the scans that slice it, and gathered there with
-        ``gathered``.
+        ``gathered``; over one batch axis, per rank where the function computes the same
+        on each rank's rows (NOTE [Per-rank scans] in ``_per_rank_scans.py``).
         """
         _, found = program_leaves(read)
-        dims = [None if f is None else f.dim for f in found]
-        return packed_scans(fn, read, dims, self.gathered)
+        # The parameters' and state's splits: a batch-split argument is never gathered.
+        dims = [None if f is None or b else f.dim
+                for f, b in zip(found, self.batch, strict=True)]
+        per_rank = None
+        if len(self.batch_axes) == 1 and self.batch_only and not any(
+                r is not None for r in self.reduce):  # NOTE [Per-rank scans]
+            per_rank = per_rank_scans(self.mesh, self.batch_axes[0], self.specs, self.batch,
+                                      fn)
+        return packed_scans(fn, read, dims, self.gathered, per_rank)
 
     def check_reduced(self, jaxpr, unreduced: list, wanted: list) -> None:
         """Refuses a program that cannot sum a leaf's gradient in the dtype ``reduce`` asks.

@@ -2,7 +2,8 @@
 
 One ``_workloads.RematScan`` stack, the same weights and data, trained with AdamW on
 one 2-process mesh as ``sharded`` (``torchside.shard(FlaxModule(...))``: DTensor shards,
-one SPMD program per call that gathers a layer per scan iteration, NOTE [Sharded blocks]),
+one program per call; its layers compute the same on each rank's rows, so it runs per rank
+and moves each layer by one all-to-all each way, NOTE [Per-rank scans]),
 ``sharded remat_stack`` (the same block as ``_workloads.RematStack``: the same parameters
 and function through ``flaxside.remat_stack``, whose loops gather each layer as one buffer,
 NOTE [One collective per layer]), ``fully_shard whole`` (the same ``FlaxModule``

@@ -130,12 +130,15 @@ def _linen(width: int, lengths, policy=None):
 
 
 def applied(module: nn.Module, width: int):
-    """A Linen module's program function over ``(*variables, x)``, and those leaves."""
+    """A Linen module's program function over ``(*variables, x)``, and those leaves (its
+    dropout drawn from a fixed key)."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, width)), jnp.float32)
-    variables = module.init(jax.random.key(0), x)
+    variables = module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
     leaves, treedef = jtu.tree_flatten(variables)
     _, args = jtu.tree_flatten(((x,), {}))
-    fn = flat_apply(lambda v, *a: (module.apply(v, *a), [], None), treedef, args, (ARRAY,))
+    key = jax.random.key(2)
+    fn = flat_apply(lambda v, *a: (module.apply(v, *a, rngs={"dropout": key}), [], None),
+                    treedef, args, (ARRAY,))
     return fn, [*leaves, x]
 
 
@@ -203,15 +206,7 @@ class Dropped(nn.Module):
 def test_a_layer_that_is_not_the_same_per_rank_keeps_the_partitioners_route(block):
     """Run per rank, these would compute something else; ``_check`` compares them with the
     program on one device (it fails with the per-rank probe bypassed)."""
-    stack = flaxside.remat_stack(block, 4, lengths=(2, 2), width=16)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((4 * N, 16)), jnp.float32)
-    variables = stack.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
-    leaves, treedef = jtu.tree_flatten(variables)
-    _, args = jtu.tree_flatten(((x,), {}))
-    key = jax.random.key(2)
-    fn = flat_apply(lambda v, *a: (stack.apply(v, *a, rngs={"dropout": key}), [], None),
-                    treedef, args, (ARRAY,))
-    counts = _check(fn, [*leaves, x])
+    counts = _check(*applied(flaxside.remat_stack(block, 4, lengths=(2, 2), width=16), 16))
     for kind, bodies in counts.items():  # the packed gathers; the layer's own reductions
         assert any("all-gather" in ops for ops in bodies), (kind, bodies)
         assert all(ops.count("all-gather") <= 1 and "all-to-all" not in ops

@@ -1,10 +1,12 @@
-"""Stock scans over a mesh: one collective per layer, run by test_mesh_collectives.py.
+"""Stock scans over a mesh: one collective per layer, per rank where the block computes
+the same on each rank's rows, run by test_mesh_collectives.py.
 
 Not collected by the main run (no ``test_`` prefix): two host devices, in a subprocess.
 Each case builds a ``flaxside`` program of a stock Flax stack (``nn.remat_scan``,
 ``nn.scan`` with and without ``nn.remat``, ``nnx.scan``) placed ``OnMesh`` over the two
 devices, checks its results and gradients against the same program on one device, and
-counts each loop body's collectives (NOTE [Packed scans] in ``flaxside/_packed_scans.py``).
+counts each loop body's collectives (NOTE [Packed scans] in ``flaxside/_packed_scans.py``,
+NOTE [Per-rank scans] in ``flaxside/_per_rank_scans.py``).
 """
 
 import jax
@@ -14,7 +16,16 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from tests.stack.mesh_cases import N, NnxBlock, _check, _programs, applied
+from tests.stack.mesh_cases import (
+    BatchCentered,
+    Dropped,
+    N,
+    NnxBlock,
+    _check,
+    _per_rank,
+    _programs,
+    applied,
+)
 from tests.support.twins import RematScanStack, ResidualMLPBlock
 
 jtu = jax.tree_util
@@ -22,18 +33,19 @@ WIDTH = 16
 
 
 class Scanned(nn.Module):
-    """``ResidualMLPBlock`` by ``nn.scan``, remat'd per layer with ``policy`` or not."""
+    """``block`` (``ResidualMLPBlock``) by ``nn.scan``, remat'd per layer with ``policy`` or
+    not."""
 
     depth: int
     remat: bool
     policy: object = None
+    block: type = ResidualMLPBlock
 
     @nn.compact
     def __call__(self, x):
-        block = nn.remat(ResidualMLPBlock, policy=self.policy) if self.remat else (
-            ResidualMLPBlock)
+        block = nn.remat(self.block, policy=self.policy) if self.remat else self.block
         stack = nn.scan(lambda mdl, c, _: (mdl(c), None), variable_axes={"params": 0},
-                        split_rngs={"params": True}, length=self.depth)
+                        split_rngs={"params": True, "dropout": True}, length=self.depth)
         return stack(block(WIDTH), x, None)[0]
 
 
@@ -52,15 +64,17 @@ def _one_gather_per_body(counts) -> None:
 
 
 def _residual_bytes(program) -> int:
+    """What a program keeps for the backward in floating point (RNG keys are replicated)."""
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-               for s in program.residual_map().residual_specs)
+               for s in program.residual_map().residual_specs
+               if np.issubdtype(s.dtype, np.floating))
 
 
-def _check_stock(fn, leaves) -> None:
-    """Equal to one device, one gather per loop body, and what the forward keeps for the
-    backward each rank's half of what one device keeps: no layer's gathered parameters
-    (a scan that kept them would hold the whole block gathered, stacked)."""
-    _one_gather_per_body(_check(fn, leaves))
+def _check_stock(fn, leaves, route=_per_rank) -> None:
+    """Equal to one device, one gather per loop body (``route``'s), and what the forward
+    keeps for the backward each rank's half of what one device keeps: no layer's gathered
+    parameters (a scan that kept them would hold the whole block gathered, stacked)."""
+    route(_check(fn, leaves))
     sharded, whole, *_ = _programs(fn, leaves, 1)
     assert _residual_bytes(sharded) <= _residual_bytes(whole) / N, (
         sharded.residual_map().residual_specs, whole.residual_map().residual_specs)
@@ -78,6 +92,23 @@ STACKS = {
 @pytest.mark.parametrize("name", list(STACKS))
 def test_a_stock_linen_stack_gathers_each_layer_in_one_collective(name):
     _check_stock(*_linen(STACKS[name]()))
+
+
+@pytest.mark.parametrize("block", [BatchCentered, Dropped], ids=["batch-mean", "dropout"])
+def test_a_stock_stack_not_the_same_per_rank_packs_on_the_partitioners_route(block):
+    """Per rank, these would compute something else (NOTE [Per-rank scans]): the packed
+    gathers stay on the partitioner's route, equal to one device."""
+    _check_stock(*_linen(Scanned(4, remat=True, block=block)),
+                 route=_packed_with_the_layers_own)
+
+
+def _packed_with_the_layers_own(counts) -> None:
+    """The packed gathers, at most one per loop body, besides the layer's own reductions
+    (a batch mean's), and no all-to-all."""
+    for kind, bodies in counts.items():
+        assert any("all-gather" in ops for ops in bodies), (kind, bodies)
+        assert all(ops.count("all-gather") <= 1 and "all-to-all" not in ops
+                   for ops in bodies), (kind, bodies)
 
 
 def test_a_stock_nnx_scan_gathers_each_layer_in_one_collective():

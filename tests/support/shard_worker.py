@@ -223,9 +223,10 @@ def full(model) -> dict:
 
 
 def gathers(owner) -> dict:
-    """Per executable the block ran: all-gathers inside loop bodies, all-gathers elsewhere,
-    and its peak bytes by XLA's memory analysis (arguments, outputs and temporaries: this
-    rank's shards, its batch, residuals and whatever it gathers)."""
+    """Per executable the block ran: gathers inside loop bodies, gathers elsewhere, and its
+    peak bytes by XLA's memory analysis (arguments, outputs and temporaries: this rank's
+    shards, its batch, residuals and whatever it gathers). A gather is an all-gather (the
+    partitioner's) or an all-to-all (per rank: NOTE [Per-rank scans])."""
     counts = {}
     for _, kind, compiled in pipeline.executables_run(owner):
         text = compiled.as_text()
@@ -234,7 +235,7 @@ def gathers(owner) -> dict:
         for computation in re.split(r"\n(?=[%A-Z])", text):
             header = computation.split("\n", 1)[0]
             name = re.match(r"(?:ENTRY )?%([\w.\-]+)", header)
-            n = len(re.findall(r"\ball-gather(?:-start)?\(", computation))
+            n = len(re.findall(r"\b(?:all-gather|all-to-all)(?:-start)?\(", computation))
             if name and name.group(1) in bodies:
                 inside += n
             else:

@@ -126,12 +126,15 @@ def test_a_sharded_block_trains_like_one_process_and_checkpoints_across_layouts(
             most = 1 if kind == "forward_with_residuals" else 2
             assert max(a2a for _, _, a2a in bodies) == most, (kind, bodies)
             assert not any(g or red for g, red, _ in bodies), (kind, bodies)
-        # The stock nn.remat_scan block: the partitioner's route, each layer's parameters
-        # gathered as one buffer (NOTE [Packed scans]; six gathers a layer before).
+        # The stock nn.remat_scan block computes the same per rank too: run per rank, each
+        # layer gathered and reduce-scattered by one all-to-all (NOTE [Per-rank scans];
+        # six all-gathers a layer before).
         loops = s["remat_scan_loops"]
         assert set(loops) == {"forward_with_residuals", "backward"}, loops
         for kind, bodies in loops.items():
-            assert max(g for g, _, _ in bodies) == 1, (kind, bodies)
+            most = 1 if kind == "forward_with_residuals" else 2
+            assert max(a2a for _, _, a2a in bodies) == most, (kind, bodies)
+            assert not any(g or red for g, red, _ in bodies), (kind, bodies)
     # Flax's partitioning metadata picks the sharded dimension (directly and through
     # logical axis rules); the rest FSDP-style, on the last that divides.
     # Every one is halved on its first dimension: a kernel's by the metadata (else its
