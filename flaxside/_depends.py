@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 try:  # jax >= 0.4.36
@@ -135,3 +136,23 @@ def same_up_to_batch(big, small, n: int) -> bool:
 
     return programs(big, small)
 
+
+def same_closed_up_to_batch(big, small, n: int) -> bool:
+    """``same_up_to_batch`` of two closed jaxprs, their constants equal by value too.
+
+    A constant computed in Python from the batch's size (``np.full(k, 8 / x.shape[0])``)
+    becomes a constant of the jaxpr, which ``same_up_to_batch`` sees only by its shape.
+    """
+    if not same_up_to_batch(big.jaxpr, small.jaxpr, n) or len(big.consts) != len(small.consts):
+        return False
+    def value(x):  # a typed PRNG key by its bits (read now, not staged into a trace)
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            with jax.ensure_compile_time_eval():
+                return np.asarray(jax.random.key_data(x))
+        return np.asarray(x)
+
+    try:
+        return all(np.shape(x) == np.shape(y) and np.array_equal(value(x), value(y))
+                   for x, y in zip(big.consts, small.consts, strict=True))
+    except Exception:  # noqa: BLE001 a constant that does not compare (a tracer): not the same
+        return False

@@ -19,17 +19,18 @@ each leaf split over the batch axes (``ProgramLeaf.dim``) into the loops that sl
   by rank, constrained replicated), and the body reads the gathered arrays.
 
 What the backward keeps is the block's promise, one layer gathered at a time. A gather
-inside a checkpoint is recomputed as the checkpoint recomputes (its policy decides: names
-and dots never save it). A gather directly in a scan body is put, with the rest of that
-body, in a ``jax.checkpoint`` whose policy refuses every primitive the gather is made of
-(``_saving_all_but``: packing, sharding constraints, unpacking) and saves every other
-value, as no checkpoint would: the scan's backward gathers each layer again instead of
-stacking every layer's gathered parameters, as FSDP2 reshards after the forward. Refusing
-the gathered arrays alone (a name) would not do: a refused value is recomputed from the
-values it came from, and the step before it would be saved. (JAX's remat3, the default to
-come, recognises name and dot policies only and recomputes everything under other
-callables: the same results, that body recomputed.) The gradients take the gather's
-transpose: the partitioner's reductions, as on ``remat_stack``'s partitioner route.
+inside a checkpoint is recomputed as the checkpoint recomputes (its policy, which may save
+anything else, never saves what ``_refused`` names). A gather directly in a scan body is
+put, with the rest of that body, in a ``jax.checkpoint`` whose policy refuses every
+primitive the gather is made of and every primitive the body computes from the layer
+alone (``_refused``: packing, unpacking, a cast to the compute dtype, a weight norm) and
+saves every other value: the scan's backward gathers each layer again instead of stacking
+every layer's gathered parameters, as FSDP2 reshards after the forward. Refusing the
+gathered arrays alone (a name) would not do: a refused value is recomputed from the values
+it came from, and the step before it would be saved. (JAX's remat3, the default to come,
+recognises name and dot policies only and recomputes everything under other callables:
+the same results, that body recomputed.) The gradients take the gather's transpose: the
+partitioner's reductions, as on ``remat_stack``'s partitioner route.
 
 Where the whole function computes the same on each rank's rows, it runs per rank instead,
 the gathers all-to-alls whose transpose reduce-scatters (``per_rank``: NOTE [Per-rank
@@ -97,7 +98,11 @@ def packed_scans(fn: Callable, read: list, dims: list, gather: Callable,
     # loops do: they read the leaves themselves, NOTE [One collective per layer]).
     if (per_rank is not None and reached_in_loops(jaxpr, marks, in_loop=False)
             and not any(isinstance(c, jax.core.Tracer) for c in closed.consts)):
+        first = dict(box)
         results = per_rank(arrays, closed, list(read), dims)
+        # The Python values the whole batch's trace returned, not one rank's rows' (a
+        # batch size read into one would be the rank's).
+        box.update(first)
     if results is None:
         results = evaluate(jaxpr, closed.consts, list(read), marks, gather, in_loop=False)
     n_aux = box["n_aux"]
@@ -215,8 +220,9 @@ def _scan(eqn, invals, down: dict, gather) -> list:
 
     direct = _direct(body, marks)
     if direct:  # gathered here: not kept for the backward (NOTE above)
-        run = jax.checkpoint(run, prevent_cse=False, policy=_saving_all_but(
-            gather, [v.aval for v in direct], [marks[v] for v in direct]))
+        refused = _refused(body, direct, gather, [marks[v] for v in direct])
+        run = jax.checkpoint(run, prevent_cse=False,
+                             policy=lambda prim, *_, **__: prim.name not in refused)
 
     def step(carry, xs):
         out = run(consts, carry, xs)
@@ -228,23 +234,44 @@ def _scan(eqn, invals, down: dict, gather) -> list:
     return [*carry, *ys]
 
 
-def _saving_all_but(gather, avals, dims) -> Callable:
-    """A checkpoint policy that saves what no remat would, but what ``gather`` computes.
+def _refused(body, direct: list, gather, dims) -> frozenset:
+    """The primitives a checkpoint around ``body`` must not save: the layer stays sharded.
 
     A value a policy refuses is recomputed from the values it was computed from, which are
-    saved where the policy allows: refusing the gathered arrays alone would save the step
-    before them. So the policy refuses every primitive the gather is made of (packing,
-    sharding constraints, unpacking: layout ops, cheap to recompute where the layer uses
-    them too) and saves every other.
+    saved where the policy allows: refusing the gathered arrays alone (a name) would save
+    the step before them. So the policy refuses every primitive the gather is made of
+    (packing, sharding constraints, unpacking) and every primitive ``body`` computes from
+    the gathered arrays and constants alone (a cast to the compute dtype, a weight norm:
+    layer-sized too), and saves every other value; what it refuses is recomputed in the
+    backward, from the layer gathered again.
     """
-    jaxpr = jax.make_jaxpr(lambda xs: gather(xs, dims))(
-        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).jaxpr
-    refused = frozenset(e.primitive.name for e in jaxpr.eqns) | {"name"}
+    names = set(_primitives(jax.make_jaxpr(lambda xs: gather(xs, dims))(
+        [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in direct]).jaxpr))
+    layer = set(direct) | set(body.constvars)
+    for eqn in body.eqns:
+        if all(not isinstance(v, Var) or v in layer for v in eqn.invars):
+            layer.update(eqn.outvars)
+            names.add(eqn.primitive.name)
+            names.update(_primitives(eqn))
+    return frozenset(names | {"name"})
 
-    def policy(prim, *_, **params) -> bool:
-        return prim.name not in refused
 
-    return policy
+def _primitives(node) -> set:
+    """The names of the primitives in a jaxpr, or in an equation's inner jaxprs, at any depth."""
+    if hasattr(node, "eqns"):
+        out = set()
+        for eqn in node.eqns:
+            out.add(eqn.primitive.name)
+            out |= _primitives(eqn)
+        return out
+    out = set()
+    for value in getattr(node, "params", {}).values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(sub, "eqns"):
+                out |= _primitives(sub)
+            elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                out |= _primitives(sub.jaxpr)
+    return out
 
 
 def _remat(eqn, invals, down: dict, gather, in_loop) -> list:
@@ -256,4 +283,13 @@ def _remat(eqn, invals, down: dict, gather, in_loop) -> list:
     def run(*args):
         return evaluate(body, (), list(args), marks, gather, in_loop)
 
-    return jax.checkpoint(run, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+    policy = p["policy"]
+    direct = _direct(body, marks) if in_loop else []
+    if direct and policy is not None:  # a policy that may save anything saves no layer
+        refused = _refused(body, direct, gather, [marks[v] for v in direct])
+        saves = policy
+
+        def policy(prim, *args, **params) -> bool:
+            return prim.name not in refused and saves(prim, *args, **params)
+
+    return jax.checkpoint(run, prevent_cse=p["prevent_cse"], policy=policy)(*invals)

@@ -50,7 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxside._depends import Var, same_up_to_batch
+from flaxside._depends import Var, same_closed_up_to_batch
 from flaxside._pack import pack_by_rank, sharded_by_dtype, unpack_by_rank
 
 jtu = jax.tree_util
@@ -150,9 +150,9 @@ def _rank_oblivious(layer_fn, mesh, layer, carry, carry_specs, consts) -> bool:
         rows = jtu.tree_unflatten(treedef, [
             aval(c, replicated, local(c, spec)) for c, spec in zip(leaves, carry_specs,
                                                                     strict=True)])
-        if not same_up_to_batch(jax.make_jaxpr(layer_fn)(params, whole, consts, index).jaxpr,
-                                jax.make_jaxpr(layer_fn)(params, rows, consts, index).jaxpr,
-                                n):
+        if not same_closed_up_to_batch(jax.make_jaxpr(layer_fn)(params, whole, consts, index),
+                                       jax.make_jaxpr(layer_fn)(params, rows, consts, index),
+                                       n):
             return False
         compiled = jax.jit(layer_fn, out_shardings=jtu.tree_unflatten(treedef, shard)) \
             .lower(params, whole, consts, index).compile()

@@ -29,7 +29,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxside._depends import same_up_to_batch
+from flaxside._depends import same_closed_up_to_batch
 from flaxside._packed_scans import evaluate
 from flaxside._per_rank import _RANK_AWARE, Plan, gathered
 
@@ -105,7 +105,7 @@ def _probe(arrays, closed, read, batch, in_specs, out_specs, mesh, n) -> bool:
              for x, b, s in zip(read, batch, in_specs, strict=True)]
     try:
         local = jax.make_jaxpr(arrays)(rows)
-        if not same_up_to_batch(closed.jaxpr, local.jaxpr, n):
+        if not same_closed_up_to_batch(closed, local, n):
             return False
         # Each result split as ``out_specs`` says: a rank's rows of a split one, all of
         # another (a result as long as the batch by chance would be split wrongly).

@@ -64,20 +64,42 @@ def _one_gather_per_body(counts) -> None:
 
 
 def _residual_bytes(program) -> int:
-    """What a program keeps for the backward in floating point (RNG keys are replicated)."""
+    """What a program keeps for the backward in floating point, bfloat16 included (RNG keys
+    are replicated)."""
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
                for s in program.residual_map().residual_specs
-               if np.issubdtype(s.dtype, np.floating))
+               if jnp.issubdtype(s.dtype, jnp.floating))
 
 
-def _check_stock(fn, leaves, route=_per_rank) -> None:
+def _check_stock(fn, leaves, route=_per_rank, rtol=1e-5) -> None:
     """Equal to one device, one gather per loop body (``route``'s), and what the forward
     keeps for the backward each rank's half of what one device keeps: no layer's gathered
     parameters (a scan that kept them would hold the whole block gathered, stacked)."""
-    route(_check(fn, leaves))
+    route(_check(fn, leaves, rtol=rtol))
     sharded, whole, *_ = _programs(fn, leaves, 1)
     assert _residual_bytes(sharded) <= _residual_bytes(whole) / N, (
         sharded.residual_map().residual_specs, whole.residual_map().residual_specs)
+
+
+class CastDense(nn.Module):
+    """Computes in bfloat16 from float32 parameters: the kernel's cast is layer-sized."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(self.width, dtype=jnp.bfloat16)(x)).astype(x.dtype)
+
+
+class WeightNorm(nn.Module):
+    """A kernel normalized per column before use: computed from the layer alone."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.lecun_normal(), (self.width, self.width))
+        return x + jnp.tanh(x @ (k / jnp.sqrt(jnp.sum(k * k, axis=0))))
 
 
 STACKS = {
@@ -86,6 +108,10 @@ STACKS = {
     "scan-remat": lambda: Scanned(4, remat=True),
     "scan-remat-dots": lambda: Scanned(4, remat=True,
                                        policy=jax.checkpoint_policies.dots_saveable),
+    # A policy that saves anything would save each layer gathered but for _refused.
+    "scan-remat-everything": lambda: Scanned(
+        4, remat=True, policy=jax.checkpoint_policies.everything_saveable),
+    "scan-weight-norm": lambda: Scanned(4, remat=False, block=WeightNorm),
 }
 
 
@@ -139,3 +165,38 @@ def test_without_packing_the_count_finds_a_gather_per_parameter(monkeypatch):
     monkeypatch.setattr(OnMesh, "call", lambda self, fn, read: fn(read))
     counts = _check(*_linen(STACKS["scan"]()))
     assert max(ops.count("all-gather") for ops in counts["forward_with_residuals"]) > 1, counts
+
+
+def test_a_layer_computing_in_bfloat16_keeps_its_cast_kernels_sharded():
+    """The kernel's bfloat16 cast is layer-sized: kept for the backward, every layer's would
+    be (NOTE [Packed scans]). bfloat16's rounding differs per shape: its tolerance."""
+    _check_stock(*_linen(Scanned(4, remat=False, block=CastDense)), rtol=2e-2)
+
+
+def _scanned_tanh(scale, size=False):
+    """A scan of ``tanh(c @ w) * scale(c)`` over a stack of 4 kernels (and the batch's size,
+    a Python int, as a second output where ``size``), and its leaves."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((4, WIDTH, WIDTH)) / WIDTH ** 0.5, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4 * N, WIDTH)), jnp.float32)
+
+    def fn(ls):
+        def body(c, wl):
+            return jnp.tanh(c @ wl) * scale(c), None
+
+        y = jax.lax.scan(body, ls[1], ls[0])[0]
+        return ((y, ls[1].shape[0]) if size else y), [], None
+
+    return fn, [w, x]
+
+
+def test_a_python_result_read_from_the_batch_size_keeps_the_whole_batchs_value():
+    """Traced on one rank's rows the function returns another Python value: not per rank."""
+    sharded, _, placed, *_ = _programs(*_scanned_tanh(lambda c: 1.0, size=True), 1)
+    assert int(sharded.compiled("forward_with_residuals")(placed)[1]) == 4 * N
+
+
+def test_a_constant_computed_from_the_batch_size_keeps_the_partitioners_route():
+    """The constant is the jaxpr's, compared by value: per rank it would be twice as large."""
+    fn, leaves = _scanned_tanh(lambda c: np.full((WIDTH,), 8.0 / c.shape[0], np.float32))
+    _packed_with_the_layers_own(_check(fn, leaves))

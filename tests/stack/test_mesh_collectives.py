@@ -26,4 +26,4 @@ def test_stock_scan_cases_on_two_host_devices(tmp_path):
     code, out, counts = pytest_in_subprocess(ROOT / "tests" / "stack" / "packed_scan_cases.py",
                                              env, tmp_path / "packed_scan_cases.log")
     assert code == 0, out[-6000:]
-    assert counts == {"passed": 8}, out[-2000:]
+    assert counts == {"passed": 13}, out[-2000:]
