@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flaxside._bodies import replaced
 from flaxside._conventions import conj
 from flaxside._program import Program
+from flaxside._summed_squares import summed_squares
 
 
 def vjp_function(program: Program, wanted: tuple[int, ...] | None = None) -> Callable:
@@ -190,22 +191,19 @@ def per_sample_norms_function(program: Program, batched: tuple[bool, ...]) -> Ca
     """``f(leaves, cotangents)``: per ``diff`` leaf, each sample's gradient's 2-norm.
 
     As ``per_sample_vjp_function``, reduced in the same program over every axis but the
-    batch's, where the gradients lie: ``f`` returns a vector of the batch's length per
-    leaf. The per-sample gradients exist only inside the compiled program (XLA's
-    temporaries, freed there), never as its outputs; the sum of squares runs in float32 at
-    least, as ``torch.linalg.vector_norm`` of a bfloat16 tensor does.
+    batch's: ``f`` returns a vector of the batch's length per leaf. Each sum of squares is
+    taken where the gradient is computed, layer by layer inside the scans that would
+    stack it (``summed_squares``, NOTE [Summed squares]): a per-sample gradient is never
+    stored, not even as XLA's temporaries. In float32 at least, as
+    ``torch.linalg.vector_norm`` of a bfloat16 tensor sums.
     """
     grads = per_sample_vjp_function(program, batched)
+    n = len(program.specs)
 
     def f(leaves, cotangents):
-        out = []
-        for g, axis in zip(grads(leaves, cotangents), grads.batch_axes, strict=True):
-            wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-            squares = (wide.real * wide.real + wide.imag * wide.imag
-                       if jnp.iscomplexobj(wide) else wide * wide)
-            others = tuple(a for a in range(g.ndim) if a != axis)
-            out.append(jnp.sqrt(jnp.sum(squares, axis=others))
-                       .astype(jnp.finfo(g.dtype).dtype))
-        return out
+        sums, avals = summed_squares(lambda *a: grads(a[:n], a[n:]), [*leaves, *cotangents],
+                                     grads.batch_axes)
+        return [jnp.sqrt(s).astype(jnp.finfo(a.dtype).dtype)
+                for s, a in zip(sums, avals, strict=True)]
 
     return f

@@ -1,0 +1,163 @@
+"""``flaxside``'s ``summed_squares``: each sample's sum of squares, summed where computed.
+
+Fast gradient clipping (Opacus's ghost mode) needs each sample's gradient norm only. The
+per-sample VJP of a scanned block stacks every sample's gradient of every layer; reducing
+that stack afterwards stores all of them as XLA temporaries. ``summed_squares`` moves the
+reduction into the scans, checkpoints, nested ``jit`` and transposes that make each output
+(NOTE [Summed squares] in ``flaxside/_summed_squares.py``). Each case is compared with the
+sums of the outputs as ``f`` returns them; the memory case also with the compiled
+program's temporaries of that reference, which store every per-sample gradient.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from flaxside._higher import _moved_axes
+from flaxside._summed_squares import squares, summed_squares
+from tests.support.closeness import close
+from tests.support.twins import ReadmeBlock, ReadmeDeep
+
+WIDTH, BATCH = 32, 6
+
+
+class _Scanned(nn.Module):
+    """``nn.scan`` of ``ReadmeBlock`` (no remat): the VJP's scan body returns each layer's
+    per-sample gradients directly."""
+
+    depth: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(lambda block, carry, _: (block(carry), None),
+                        variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=self.depth)
+        return stack(ReadmeBlock(WIDTH, name="stack"), x, None)[0]
+
+
+def _per_sample_grads(block):
+    """``(g, args, axes)``: ``g(params, x, c)`` each sample's parameter gradients (a flat
+    list), batched where the batched VJP computes them (``axes``, behind the layer axes
+    for stacked leaves), on random arguments."""
+    k = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(k[0], (BATCH, WIDTH))
+    c = jax.random.normal(k[1], (BATCH, WIDTH))
+    params = block.init(k[2], x[:1])
+
+    def one(p, x, c):
+        _, vjp = jax.vjp(lambda p: block.apply(p, x[None]), p)
+        return jax.tree_util.tree_leaves(vjp(c[None])[0])
+
+    axes = _moved_axes(jax.make_jaxpr(jax.vmap(one, in_axes=(None, 0, 0)))(
+        params, x[:2], c[:2]).jaxpr)
+    return jax.vmap(one, in_axes=(None, 0, 0), out_axes=list(axes)), [params, x, c], axes
+
+
+def _check(f, args, axes) -> list:
+    """``summed_squares(f, args, axes)`` against the sums of ``f``'s outputs; the sums."""
+    got = jax.jit(lambda *a: summed_squares(f, list(a), axes)[0])(*args)
+    avals = summed_squares(f, list(args), axes)[1]
+    outs = f(*args)
+    assert [(a.shape, a.dtype) for a in avals] == [(o.shape, o.dtype) for o in outs]
+    for k, (s, out, axis) in enumerate(zip(got, outs, axes, strict=True)):
+        wide = np.asarray(out.astype(jnp.promote_types(out.dtype, jnp.float32)))
+        want = (np.abs(wide) ** 2).sum(axis=tuple(a for a in range(out.ndim) if a != axis))
+        assert s.dtype == jnp.promote_types(jnp.finfo(out.dtype).dtype, jnp.float32), (k, s.dtype)
+        # Each layer's sums added up: the order of a float32 sum differs, nothing else. The
+        # sums kept on the next axis instead (a layer axis read as the batch) must fail.
+        other = (np.abs(wide) ** 2).sum(axis=tuple(a for a in range(out.ndim)
+                                                   if a != (axis + 1) % out.ndim))
+        close(torch.from_numpy(np.array(s)), want, f"output {k}",
+              wrong=[other] if other.shape == want.shape else [])
+    return got
+
+
+@pytest.mark.parametrize(("block", "depth"), [(ReadmeDeep(WIDTH, (2, 3)), 6), (_Scanned(4), 4)],
+                         ids=["nn.remat_scan", "nn.scan"])
+def test_stacked_per_sample_gradients_are_never_stored(block, depth):
+    """A scanned block's per-sample gradient sums equal the stored gradients' sums, and the
+    compiled program's temporaries hold less than one layer's per-sample gradients, where
+    the reduction after the fact stores them all (the negative control)."""
+    g, args, axes = _per_sample_grads(block)
+    assert any(a > 0 for a in axes), axes  # stacked leaves: the batch behind a layer axis
+    _check(g, args, axes)
+    stored = sum(a.size * a.dtype.itemsize for a in jax.eval_shape(g, *args))
+    ours = jax.jit(lambda *a: summed_squares(g, list(a), axes)[0]).lower(*args).compile()
+    after = jax.jit(lambda *a: [squares(x, k) for x, k in zip(g(*a), axes, strict=True)]
+                    ).lower(*args).compile()
+    assert after.memory_analysis().temp_size_in_bytes > stored / 2
+    # At most one layer's per-sample gradients at a time (with what the backward holds).
+    assert ours.memory_analysis().temp_size_in_bytes < stored / depth, (
+        ours.memory_analysis().temp_size_in_bytes, stored)
+
+
+def test_nested_jit_transpose_and_a_value_read_twice():
+    """Through a nested ``jit`` and a ``transpose``; an output also returned as it is (read
+    twice) is reduced where it is, and its plain copy is left whole."""
+    g, args, axes = _per_sample_grads(ReadmeDeep(WIDTH, (2, 2)))
+    inner = jax.jit(g)
+    stacked = [k for k, a in enumerate(axes) if a > 0][0]
+
+    def f(*a):
+        outs = inner(*a)
+        moved = jnp.moveaxis(outs[stacked], axes[stacked], -1)
+        return [*outs, moved, outs[stacked]]
+
+    ndim = jax.eval_shape(g, *args)[stacked].ndim
+    got = _check(f, args, (*axes, ndim - 1, axes[stacked]))
+    close(torch.from_numpy(np.array(got[-1])), got[stacked], "the same value read twice")
+
+
+def test_batch_on_the_scanned_axis_is_left_to_the_sum_after():
+    """A scan whose stacked axis is the batch (a loop over the samples) cannot sum inside
+    its body: its output is reduced after the loop, still per sample."""
+    w = jax.random.normal(jax.random.key(1), (WIDTH, WIDTH))
+
+    def f(x):
+        def body(carry, xi):
+            y = jnp.tanh(xi @ w)
+            return carry + y.sum(), jnp.outer(y, xi)
+
+        return [jax.lax.scan(body, 0.0, x)[1]]
+
+    _check(f, [jax.random.normal(jax.random.key(2), (BATCH, WIDTH))], (0,))
+
+
+def test_a_complex_output_sums_its_squared_moduli():
+    """A complex output's ``|z| ** 2``, summed in its real dtype."""
+    k = jax.random.split(jax.random.key(4), 2)
+    w = jax.random.normal(k[0], (3, WIDTH, WIDTH)).astype(jnp.complex64) * (1 + 1j) / 4
+    x = jax.random.normal(k[1], (BATCH, WIDTH)).astype(jnp.complex64)
+
+    def f(x):
+        def body(h, wl):
+            h = h @ wl
+            return h, h[:, :, None] * h[:, None, :]
+
+        return [jax.lax.scan(body, x, w)[1]]
+
+    _check(f, [x], (1,))
+
+
+def test_a_bfloat16_output_sums_in_float32():
+    """A bfloat16 output's squares summed in float32 (as ``torch.linalg.vector_norm``): the
+    same as the stored output's float32 sums up to each product's bfloat16 rounding (XLA
+    may skip it where the product is fused into the sum), and far from a sum accumulated in
+    bfloat16 (the negative control)."""
+    xs = jax.random.normal(jax.random.key(4), (3, BATCH, WIDTH)).astype(jnp.bfloat16)
+
+    def f(xs):
+        return [jax.lax.scan(lambda c, x: (c, x[:, :, None] * x[:, None, :]), 0.0, xs)[1]]
+
+    (got,) = jax.jit(lambda xs: summed_squares(f, [xs], (1,))[0])(xs)
+    assert got.dtype == jnp.float32
+    out = np.asarray(f(xs)[0].astype(jnp.float32))
+    terms = np.moveaxis(out, 1, 0).reshape(BATCH, -1) ** 2
+    in_bf16 = np.zeros(BATCH, jnp.bfloat16)
+    for column in terms.T:
+        in_bf16 = (in_bf16 + column.astype(jnp.bfloat16)).astype(jnp.bfloat16)
+    assert np.allclose(got, terms.sum(1), rtol=2.0 ** -8)
+    assert not np.allclose(in_bf16.astype(np.float32), terms.sum(1), rtol=2.0 ** -8)
