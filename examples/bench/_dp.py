@@ -17,11 +17,13 @@ weights and batch (interleaved rounds, medians):
 Also: how one step without noise changes each model's outputs on a probe batch, against
 pure JAX's change, and the bytes of per-sample gradients each holds as tensors (Opacus's
 ``grad_sample``; the norm samplers' norms under ghost clipping) and, for pure JAX, its
-program's temporaries (the bridge's per-sample programs hold theirs as temporaries too).
+program's temporaries (the bridge's per-sample programs hold theirs as temporaries too),
+and the minor page faults of a step (``_page_faults``: fresh memory the step maps).
 """
 
 from __future__ import annotations
 
+import resource
 import time
 import warnings
 
@@ -202,6 +204,7 @@ def dp_rows(size_name: str, size: dict) -> list[dict]:
             c.set_noise(NOISE)
         times, rounds = race(racers, budget=size["budget"], min_repeats=size["min_repeats"],
                              warmup=size["warmup"])
+        faults = {c.name: _page_faults(c) for c in racers}
     n_params = sum(p.numel() for p in racers[2].model.parameters())
     describe = (f"Linear {features}->{width}, nn.remat_scan{lengths} of residual MLP blocks, "
                 f"Dense {CLASSES}; batch {batch}, {n_params:,} parameters, clip {CLIP}, "
@@ -209,7 +212,26 @@ def dp_rows(size_name: str, size: dict) -> list[dict]:
     print(f"  DP-SGD: {describe}: {time.perf_counter() - t0:.0f} s", flush=True)
     return [dict(name="DP-SGD", describe=describe, times=times, rounds=rounds, first=first,
                  mismatch=mismatch, per_sample={c.name: c.per_sample for c in racers},
+                 faults=faults,
                  per_sample_full=4 * batch * n_params)]
+
+
+def _page_faults(c: Contestant, steps: int = 3) -> int:
+    """The median minor page faults of a step: pages the kernel maps fresh, zeroed.
+
+    A buffer larger than glibc's mmap threshold (32 MiB at most) is mapped anew at each
+    allocation and every page of it faults when first written; smaller ones are reused
+    from the heap. On a virtual machine a fault is dear, and it is what a step that
+    allocates large per-sample buffers (a stacked leaf's) pays that one allocating them
+    layer by layer does not.
+    """
+    counts = []
+    for _ in range(steps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c.call()
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        c.reset()
+    return int(np.median(counts))
 
 
 def print_dp(rows: list[dict]) -> tuple[list[list[str]], str]:
@@ -228,7 +250,8 @@ def print_dp(rows: list[dict]) -> tuple[list[list[str]], str]:
                 f"grad_sample, or the norms under ghost clipping), and pure JAX's program "
                 f"temporaries (the bridge's per-sample programs have theirs too, not "
                 f"counted): {held} (every per-sample gradient: "
-                f"{fmt_bytes(r['per_sample_full'])}); first step: "
+                f"{fmt_bytes(r['per_sample_full'])}); minor page faults per step: "
+                + ", ".join(f"{n} {r['faults'][n]:,}" for n in names) + "; first step: "
                 + ", ".join(f"{n} {fmt_time(r['first'][n])}" for n in names))
         md.append(f"- {line}")
         targets += ratio_targets(r, (("pure JAX DP-SGD", "pure JAX", TARGET_JAX),
