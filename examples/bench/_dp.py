@@ -254,8 +254,12 @@ def print_dp(rows: list[dict]) -> tuple[list[list[str]], str]:
                 + ", ".join(f"{n} {r['faults'][n]:,}" for n in names) + "; first step: "
                 + ", ".join(f"{n} {fmt_time(r['first'][n])}" for n in names))
         md.append(f"- {line}")
+        # Ghost clipping (fast gradient clipping) against the twin under ghost clipping:
+        # the route README recommends for a FlaxModule.
         targets += ratio_targets(r, (("pure JAX DP-SGD", "pure JAX", TARGET_JAX),
-                                     ("Opacus on the torch twin", "torch", TARGET_TWIN)),
+                                     ("Opacus on the torch twin", "torch", TARGET_TWIN),
+                                     ("the twin's ghost", "torch ghost", TARGET_TWIN,
+                                      "bridge ghost")),
                                  ("one step without noise, every model's output change",
                                   "max |d - pure JAX's d| / max |pure JAX's d|"))
     text = _table(header, table)
