@@ -142,22 +142,40 @@ def _rank_oblivious(layer_fn, mesh, layer, carry, carry_specs, consts) -> bool:
     def local(c, spec):
         return (c.shape[0] // n, *c.shape[1:]) if spec != P() else np.shape(c)
 
-    try:
-        params, consts = jtu.tree_map(aval, layer), jtu.tree_map(aval, consts)
+    def traced():
+        params, const = jtu.tree_map(aval, layer), jtu.tree_map(aval, consts)
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
         whole = jtu.tree_unflatten(treedef, [aval(c, s) for c, s in zip(leaves, shard,
                                                                           strict=True)])
         rows = jtu.tree_unflatten(treedef, [
             aval(c, replicated, local(c, spec)) for c, spec in zip(leaves, carry_specs,
                                                                     strict=True)])
-        if not same_closed_up_to_batch(jax.make_jaxpr(layer_fn)(params, whole, consts, index),
-                                       jax.make_jaxpr(layer_fn)(params, rows, consts, index),
-                                       n):
+        return (jax.make_jaxpr(layer_fn)(params, whole, const, index),
+                jax.make_jaxpr(layer_fn)(params, rows, const, index),
+                lambda: jax.jit(layer_fn, out_shardings=jtu.tree_unflatten(treedef, shard))
+                .lower(params, whole, const, index).compile())
+
+    return rank_oblivious(traced, n)
+
+
+def rank_oblivious(traced: Callable, n: int) -> bool:
+    """Whether a function computes on each of ``n`` ranks what it computes on its rows.
+
+    ``traced()`` returns the function's jaxpr on the whole batch, its jaxpr on one rank's
+    rows (``None``: refused already) and ``compile()``, the function compiled over the
+    mesh. Oblivious where both jaxprs are the same program but for the batch
+    (``same_closed_up_to_batch``: Python code reading the batch's size computes something
+    else per rank) and the compiled program holds no collective and no partition id. A
+    function that does not trace or compile alone (it closes over the enclosing trace) is
+    not: it keeps the partitioner's route.
+    """
+    try:
+        whole, rows, compile_ = traced()
+        if rows is None or not same_closed_up_to_batch(whole, rows, n):
             return False
-        compiled = jax.jit(layer_fn, out_shardings=jtu.tree_unflatten(treedef, shard)) \
-            .lower(params, whole, consts, index).compile()
-    except Exception:  # noqa: BLE001 a probe: a layer that does not trace or compile
-        return False   # alone (it closes over the enclosing trace) keeps the partitioner's
+        compiled = compile_()
+    except Exception:  # noqa: BLE001 a probe
+        return False
     return not _RANK_AWARE.search(compiled.as_text())
 
 

@@ -29,9 +29,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxside._depends import same_closed_up_to_batch
 from flaxside._packed_scans import evaluate
-from flaxside._per_rank import _RANK_AWARE, Plan, gathered
+from flaxside._per_rank import Plan, gathered, rank_oblivious
 
 # Per function, per signature (shapes, dtypes, dims, mesh): whether it runs per rank.
 _OBLIVIOUS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -103,21 +102,20 @@ def _probe(arrays, closed, read, batch, in_specs, out_specs, mesh, n) -> bool:
             for x, b in zip(read, batch, strict=True)]
     whole = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s if b else P()))
              for x, b, s in zip(read, batch, in_specs, strict=True)]
-    try:
+
+    def traced():
         local = jax.make_jaxpr(arrays)(rows)
-        if not same_closed_up_to_batch(closed, local, n):
-            return False
         # Each result split as ``out_specs`` says: a rank's rows of a split one, all of
         # another (a result as long as the batch by chance would be split wrongly).
-        for g, r, spec in zip(closed.out_avals, local.out_avals, out_specs, strict=True):
-            if tuple(r.shape) != ((g.shape[0] // n, *g.shape[1:]) if spec != P()
-                                  else tuple(g.shape)):
-                return False
-        compiled = jax.jit(lambda leaves: _flat(arrays(leaves)), out_shardings=[
-            NamedSharding(mesh, s) for s in out_specs]).lower(whole).compile()
-    except Exception:  # noqa: BLE001 a probe: what does not trace or compile alone keeps
-        return False   # the partitioner's route
-    return not _RANK_AWARE.search(compiled.as_text())
+        split = all(tuple(r.shape) == ((g.shape[0] // n, *g.shape[1:]) if spec != P()
+                                       else tuple(g.shape))
+                    for g, r, spec in zip(closed.out_avals, local.out_avals, out_specs,
+                                          strict=True))
+        return closed, local if split else None, lambda: jax.jit(
+            lambda leaves: _flat(arrays(leaves)),
+            out_shardings=[NamedSharding(mesh, s) for s in out_specs]).lower(whole).compile()
+
+    return rank_oblivious(traced, n)
 
 
 def _flat(results) -> list:
