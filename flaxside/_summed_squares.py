@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - older jax
 
 from flaxside._packed_scans import _bind
 
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# Calls of a closed jaxpr, and the parameter that holds it.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
 
 
 def summed_squares(f: Callable, args: list, axes: tuple[int, ...]) -> tuple[list, list]:
@@ -106,7 +107,7 @@ def _evaluate(jaxpr, consts, args, want: dict) -> list:
         elif name == "remat2":
             outs = _remat(eqn, invals, at)
         else:
-            closed = eqn.params["jaxpr"]
+            closed = eqn.params[_CALLS[name]]
             outs = _evaluate(closed.jaxpr, closed.consts, invals, at)
         for k, v in enumerate(eqn.outvars):
             env[v] = outs[k]

@@ -94,21 +94,62 @@ def test_stacked_per_sample_gradients_are_never_stored(block, depth):
         ours.memory_analysis().temp_size_in_bytes, stored)
 
 
-def test_nested_jit_transpose_and_a_value_read_twice():
-    """Through a nested ``jit`` and a ``transpose``; an output also returned as it is (read
-    twice) is reduced where it is, and its plain copy is left whole."""
-    g, args, axes = _per_sample_grads(ReadmeDeep(WIDTH, (2, 2)))
+def _temporaries(f, args, axes) -> int:
+    return jax.jit(lambda *a: summed_squares(f, list(a), axes)[0]).lower(
+        *args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_through_a_nested_jit_and_a_transpose():
+    """Through a nested ``jit`` and a ``transpose`` of a stacked output: equal sums, and the
+    stacked per-sample gradients still never stored."""
+    g, args, axes = _per_sample_grads(ReadmeDeep(WIDTH, (2, 3)))
     inner = jax.jit(g)
     stacked = [k for k, a in enumerate(axes) if a > 0][0]
 
     def f(*a):
         outs = inner(*a)
-        moved = jnp.moveaxis(outs[stacked], axes[stacked], -1)
-        return [*outs, moved, outs[stacked]]
+        return [*outs[:stacked], jnp.moveaxis(outs[stacked], axes[stacked], -1),
+                *outs[stacked + 1 :]]
 
     ndim = jax.eval_shape(g, *args)[stacked].ndim
-    got = _check(f, args, (*axes, ndim - 1, axes[stacked]))
-    close(torch.from_numpy(np.array(got[-1])), got[stacked], "the same value read twice")
+    out_axes = (*axes[:stacked], ndim - 1, *axes[stacked + 1 :])
+    _check(f, args, out_axes)
+    stored = sum(a.size * a.dtype.itemsize for a in jax.eval_shape(g, *args))
+    assert _temporaries(f, args, out_axes) < stored / 6
+
+
+def test_a_value_read_twice_is_reduced_where_it_is():
+    """A stacked output also read elsewhere (returned whole, on another axis, or summed
+    over its layers) is computed as it was and reduced where it is; so is a transpose's
+    operand read elsewhere, which the transpose's sum cannot stand for."""
+    xs = jax.random.normal(jax.random.key(0), (4, BATCH, WIDTH))
+
+    def stacked(xs):
+        return jax.lax.scan(lambda c, x: (c, jnp.sin(x) * 2.0), 0.0, xs)[1]
+
+    _check(lambda xs: [stacked(xs), stacked(xs)], [xs], (1, 2))
+    _check(lambda xs: (lambda y: [y, y.sum(0)])(stacked(xs)), [xs], (1, 0))
+    _check(lambda xs: (lambda y: [jnp.transpose(y, (1, 0, 2)), y.sum(0)])(stacked(xs)),
+           [xs], (0, 0))
+    _check(lambda xs: (lambda y: [jnp.transpose(y, (1, 0, 2)), y])(stacked(xs)), [xs], (0, 2))
+
+
+def test_a_closed_call_and_a_reversed_unrolled_scan():
+    """The primal output of a checkpointed scan under ``vjp`` (JAX stages the known loop as
+    a ``closed_call``), and a reversed scan unrolled by two, each with its sums moved in."""
+    xs = jax.random.normal(jax.random.key(0), (4, BATCH, WIDTH))
+
+    def loop(xs, **kw):
+        return jax.lax.scan(lambda c, x: (c + x.sum(), jnp.sin(x) * c), 1.0, xs, **kw)
+
+    def f(xs):
+        (_, ys), vjp = jax.vjp(jax.checkpoint(loop), xs)
+        return [ys, vjp((1.0, jnp.ones_like(ys)))[0]]
+
+    eqns = jax.make_jaxpr(f)(xs).jaxpr.eqns
+    assert any(e.primitive.name == "closed_call" for e in eqns)
+    _check(f, [xs], (1, 1))
+    _check(lambda xs: [loop(xs, reverse=True, unroll=2)[1]], [xs], (1,))
 
 
 def test_batch_on_the_scanned_axis_is_left_to_the_sum_after():
