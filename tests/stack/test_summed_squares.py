@@ -134,22 +134,27 @@ def test_a_value_read_twice_is_reduced_where_it_is():
     _check(lambda xs: (lambda y: [jnp.transpose(y, (1, 0, 2)), y])(stacked(xs)), [xs], (0, 2))
 
 
-def test_a_closed_call_and_a_reversed_unrolled_scan():
-    """The primal output of a checkpointed scan under ``vjp`` (JAX stages the known loop as
-    a ``closed_call``), and a reversed scan unrolled by two, each with its sums moved in."""
+def _loop(xs, **kw):
+    return jax.lax.scan(lambda c, x: (c + x.sum(), jnp.sin(x) * c), 1.0, xs, **kw)
+
+
+def test_a_closed_call():
+    """The primal output of a checkpointed scan under ``vjp``: JAX stages the known loop as
+    a ``closed_call`` (without remat3), its sums moved in."""
     xs = jax.random.normal(jax.random.key(0), (4, BATCH, WIDTH))
 
-    def loop(xs, **kw):
-        return jax.lax.scan(lambda c, x: (c + x.sum(), jnp.sin(x) * c), 1.0, xs, **kw)
-
     def f(xs):
-        (_, ys), vjp = jax.vjp(jax.checkpoint(loop), xs)
+        (_, ys), vjp = jax.vjp(jax.checkpoint(_loop), xs)
         return [ys, vjp((1.0, jnp.ones_like(ys)))[0]]
 
-    eqns = jax.make_jaxpr(f)(xs).jaxpr.eqns
-    assert any(e.primitive.name == "closed_call" for e in eqns)
+    if not any(e.primitive.name == "closed_call" for e in jax.make_jaxpr(f)(xs).jaxpr.eqns):
+        pytest.skip("this JAX stages no closed_call here (jax_remat3 on)")
     _check(f, [xs], (1, 1))
-    _check(lambda xs: [loop(xs, reverse=True, unroll=2)[1]], [xs], (1,))
+
+
+def test_a_reversed_scan_unrolled_by_two():
+    xs = jax.random.normal(jax.random.key(0), (4, BATCH, WIDTH))
+    _check(lambda xs: [_loop(xs, reverse=True, unroll=2)[1]], [xs], (1,))
 
 
 def test_batch_on_the_scanned_axis_is_left_to_the_sum_after():
