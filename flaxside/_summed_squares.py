@@ -16,7 +16,9 @@ output's sum of squares (over every axis but the batch's) to where its value is 
 * down to the equation that computes it, where XLA fuses the square and the sum into the
   product that makes it: a layer's per-sample gradient is never stored, stacked or not.
 
-A value also read elsewhere is computed as it was and reduced where it is. Every other
+A value also read elsewhere is computed as it was and reduced where it is; so is one a
+loop writes into a buffer it carries, as ``remat_stack``'s own VJP writes each layer's
+gradients (its per-sample norms still store them, as XLA temporaries). Every other
 equation is bound as traced: the function computes what it computed, its checkpoints'
 policies included; only where its outputs are reduced moves. The sums run in float32 at
 least (``torch.linalg.vector_norm`` of a bfloat16 tensor does), layer by layer.
