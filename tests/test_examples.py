@@ -18,6 +18,7 @@ EXAMPLES = ROOT / "examples"
 TINY_ARGS = {
     "quickstart.py": ["--steps", "5"],
     "bench/call_costs.py": ["--tensors", "16", "--repeats", "2"],
+    "bench/dp_norms.py": ["--smoke"],
     "bench/collectives.py": [],  # one layer's collectives, 2 gloo processes: seconds
     "bench/shard2d.py": ["--quick"],  # a 4-layer block on a 2x2 mesh, 4 gloo processes
     "gpu_check.py": [],
@@ -187,6 +188,14 @@ def _check_exit_aborts(done, out) -> None:
     assert "exit handler registered: 0 of 1 exits aborted" in done.stdout, done.stdout
 
 
+def _check_dp_norms(done, out) -> None:
+    temps = dict(re.findall(r"(summed where made|reduced after)\s+temporaries\s+([\d.]+) MiB",
+                            done.stdout))
+    assert float(temps["summed where made"]) < float(temps["reduced after"]), done.stdout
+    worst = re.search(r"largest relative difference of the sums: (\S+)", done.stdout)
+    assert worst and float(worst.group(1)) < 1e-4, done.stdout
+
+
 CHECKS = {
     "train_digits.py": _check_train_digits,
     "train_dp.py": _check_train_dp,
@@ -197,6 +206,7 @@ CHECKS = {
     "train_sharded.py": _check_train_sharded,
     "bench/collectives.py": _check_collectives,
     "bench/shard2d.py": _check_shard2d,
+    "bench/dp_norms.py": _check_dp_norms,
 }
 
 
