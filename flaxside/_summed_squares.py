@@ -115,8 +115,10 @@ def _evaluate(jaxpr, consts, args, want: dict) -> list:
             env[v] = outs[k]
             if v in reduced and k not in at:
                 env[v] = squares(outs[k], reduced[v])
-    return [read(v) if not (k in want and (isinstance(v, Literal) or v not in reduced))
-            else squares(read(v), want[k]) for k, v in enumerate(jaxpr.outvars)]
+    # An output carried reduced is read as it is; any other wanted one is reduced here.
+    return [squares(read(v), want[k]) if k in want and (isinstance(v, Literal)
+                                                       or v not in reduced) else read(v)
+            for k, v in enumerate(jaxpr.outvars)]
 
 
 def _scan(eqn, invals, at: dict) -> list:
