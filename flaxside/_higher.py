@@ -8,6 +8,8 @@ exactly what the program's first-order executables compute:
 * ``vjp_function(program, wanted)``: ``f(leaves, cotangents) -> gradients`` of the
   ``diff`` leaves the caller reads (torch's convention for complex leaves), the forward
   recomputed inside;
+* ``linearized_vjp(program, wanted)``: ``vjp_function`` split into what does not depend
+  on the cotangents and what does, so that calls differing only in them share the first;
 * ``jvp_function(program)``: ``g(leaves, tangents) -> (outputs, output tangents)`` for the
   differentiable outputs (forward mode: ``jax.jvp``);
 * ``batched_function(program, in_axes)``: the program's results under ``jax.vmap`` (for
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 
 from flaxside._bodies import replaced
 from flaxside._conventions import conj
+from flaxside._leaves import is_key
 from flaxside._program import Program
 from flaxside._summed_squares import summed_squares
 
@@ -207,3 +210,52 @@ def per_sample_norms_function(program: Program, batched: tuple[bool, ...]) -> Ca
                 for s, a in zip(sums, avals, strict=True)]
 
     return f
+
+
+def linearized_vjp(program: Program, wanted: tuple[int, ...] | None = None):
+    """``(linearize, apply)``: ``vjp_function(program, wanted)`` split where its cotangents enter.
+
+    ``linearize(leaves) -> residuals`` computes everything the gradients need that does not
+    depend on the cotangents (the forward and its linearization: ``jax.linearize`` of the
+    VJP in its cotangents, which it is linear in); ``apply(leaves, residuals, cotangents)
+    -> gradients`` the rest: ``apply(leaves, linearize(leaves), c) == f(leaves, c)`` for
+    ``f = vjp_function(program, wanted)``. Both are ordinary JAX functions of their
+    arguments, so the composition differentiates as ``f`` does (torch's NOTE [Shared
+    linearization]: calls that differ only in the cotangents run ``linearize`` once).
+    Residuals that are leaves are read from ``leaves``, not returned (a parameter would be
+    copied out); typed PRNG keys leave as their raw data and are wrapped again.
+    """
+    f = vjp_function(program, wanted)
+    cot_specs = [program.out_specs[k] for k in program.diff_out_index]
+    # The leaves' avals -> the linear map's treedef, and per residual: ("leaf", index),
+    # ("key", implementation) or ("array", None). ``apply`` is traced after ``linearize``
+    # for the same leaves: its residuals are what ``linearize`` returned.
+    maps = {}
+
+    def linearize(leaves):
+        leaves = list(leaves)
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in cot_specs]
+        _, linear = jax.linearize(lambda c: f(leaves, c), zeros)
+        res, treedef = jax.tree_util.tree_flatten(linear)
+        index = {id(x): i for i, x in enumerate(leaves)}
+        labels = tuple(("leaf", index[id(r)]) if id(r) in index else
+                       ("key", jax.random.key_impl(r)) if is_key(r) else ("array", None)
+                       for r in res)
+        maps[_avals(leaves)] = treedef, labels
+        return [jax.random.key_data(r) if kind == "key" else r
+                for r, (kind, _) in zip(res, labels, strict=True) if kind != "leaf"]
+
+    def apply(leaves, residuals, cotangents):
+        leaves = list(leaves)
+        treedef, labels = maps[_avals(leaves)]
+        own = iter(residuals)
+        res = [leaves[x] if kind == "leaf" else
+               jax.random.wrap_key_data(next(own), impl=x) if kind == "key" else next(own)
+               for kind, x in labels]
+        return list(jax.tree_util.tree_unflatten(treedef, res)(list(cotangents)))
+
+    return linearize, apply
+
+
+def _avals(leaves) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) for x in leaves)

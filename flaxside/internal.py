@@ -11,6 +11,7 @@ from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
 from flaxside._higher import batched_function as batched_function
 from flaxside._higher import jvp_function as jvp_function
+from flaxside._higher import linearized_vjp as linearized_vjp
 from flaxside._higher import per_sample_norms_function as per_sample_norms_function
 from flaxside._higher import per_sample_vjp_function as per_sample_vjp_function
 from flaxside._higher import vjp_function as vjp_function
@@ -56,6 +57,7 @@ __all__ = [
     "key_data_shape",
     "per_sample_norms_function",
     "per_sample_vjp_function",
+    "linearized_vjp",
     "program_report",
     "spec_axes",
     "unpack",
