@@ -8,7 +8,8 @@ every leaf and the cotangents, called through a ``Derived`` owner, a ``jax_funct
 that program. Its backward is that function's VJP, run the same way, so a third
 derivative is a call of the second's, and so on (``Route.order``). Each order compiles its
 own programs once per signature, and each recomputes the forward from the leaves (what the
-first order saved as residuals is not differentiable with respect to them). The VJP
+first order saved as residuals is not differentiable with respect to them); calls of one
+VJP on the same leaves share that recomputation (NOTE [Shared linearization] below). The VJP
 returns only the gradients whose autograd node the running backward executes
 (``autograd.grad(out, x)`` executes no weight's): the rest are constants of it, so neither
 it nor its own VJP computes them, one owner per such subset.
@@ -50,7 +51,7 @@ import jax
 import torch
 
 import bridge
-from flaxside.internal import batched_function, jvp_function, vjp_function
+from flaxside.internal import batched_function, jvp_function, linearized_vjp, vjp_function
 from torchside import _errors
 from torchside._call import Caller, function_settings, resolve
 from torchside._owner import CallerOwner
@@ -92,9 +93,7 @@ def derived(edges, entry, kind: str, make, key=None) -> Derived:
     ``key``: what else the function depends on (the gradients a VJP returns). The owners
     live as long as the entry (a weak dictionary: nothing outlives its owner).
     """
-    owners = _DERIVED.get(entry)
-    if owners is None:
-        owners = _DERIVED[entry] = {}
+    owners = owners_of(entry)
     owner = owners.get((kind, key))
     if owner is None:
         order = entry.routes["eager"].order + 1
@@ -107,9 +106,17 @@ def derived(edges, entry, kind: str, make, key=None) -> Derived:
     return owner
 
 
+def owners_of(entry) -> dict:
+    """``entry``'s derived owners, by kind (a weak dictionary: they live as long as it)."""
+    owners = _DERIVED.get(entry)
+    if owners is None:
+        owners = _DERIVED[entry] = {}
+    return owners
+
+
 def derived_owners(entry) -> list[Derived]:
     """The owners derived from ``entry`` so far (for tests and the benchmark)."""
-    return list(_DERIVED.get(entry, {}).values())
+    return [o for o in _DERIVED.get(entry, {}).values() if isinstance(o, Derived)]
 
 
 # -- a backward differentiated again (Edges.differentiate) ------------------------------------
@@ -172,10 +179,104 @@ def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None) 
              for s in (entry.program.out_specs[k] for k in entry.diff_out_index)]
     cots = [z if c is None else c for c, z in zip(cots, zeros, strict=True)]
     key = None if len(wanted) == len(entry.grad_slots) else wanted
-    owner = derived(edges, entry, "vjp", lambda program: vjp_function(program, key), key)
-    for p, g in zip(wanted, owner(list(leaves), cots), strict=True):
+    calls = owners_of(entry).get(("vjp calls", key))
+    if calls is None:
+        calls = owners_of(entry)["vjp calls", key] = VjpCalls(edges, key)
+    for p, g in zip(wanted, calls(entry, list(leaves), cots), strict=True):
         out[entry.grad_slots[p]] = g
     return out
+
+
+class VjpCalls:
+    """The differentiable calls of one entry's VJP, for one set of wanted gradients.
+
+    NOTE [Shared linearization]. Calls of one VJP that differ only in the cotangents (the
+    PINN's Laplacian differentiates its first derivative back through the same call once
+    per dimension, and differentiates that call's own backward once per dimension) each
+    recompute, from the same leaves, everything that does not depend on the cotangents:
+    the forward and its linearization. ``flaxside``'s ``linearized_vjp`` splits the VJP
+    there, into ``linearize(leaves) -> residuals`` and ``apply(leaves, residuals,
+    cotangents) -> gradients``, two calls of their own, so the residuals are differentiable
+    outputs: a later call on the same leaves (the same tensors at the same versions and
+    memory, while the residuals live) runs ``apply`` alone, and the backward of every such
+    call sends its residuals' cotangents to the one ``linearize`` node, which torch's
+    autograd sums and runs once. A leaf set with one call gains nothing from the split and
+    pays a second call and its dispatch (a gradient penalty), so a new leaf set is split
+    only when the last one had ``SHARE_AFTER`` calls or more; the first leaf set, and calls
+    under a torch.func transform (tensors there are wrapped per level), take the whole VJP.
+
+    The residuals are referenced weakly: they live as long as the graph that keeps them
+    (every ``apply`` node keeps its leaves for a derivative of its own), so nothing here
+    outlives the step's graph.
+    """
+
+    SHARE_AFTER = 2
+
+    def __init__(self, edges, key):
+        # Not the entry: this lives in the entry's value of a weak dictionary.
+        self._edges, self._key = edges, key
+        self._whole = self._linearize = self._apply = None
+        self._leaves = ()  # the current leaf set: per leaf (weakref, version, pointer)
+        self._calls = 0  # calls on the current leaf set
+        self._split = False  # whether the current leaf set is split
+        # The last residuals, with the leaf set they were computed from: one value, set at
+        # once, so a call made from another thread never pairs one set's leaves with
+        # another's residuals (the counts above only choose a route).
+        self._shared = ((), ())
+
+    def __call__(self, entry, leaves: list, cots: list) -> list:
+        if (torch._C._are_functorch_transforms_active() or not torch.is_grad_enabled()
+                or any(map(_wrapped, leaves))):  # a dead transform's tensors
+            return self._whole_vjp(entry)(leaves, cots)
+        if _same(self._leaves, leaves):
+            self._calls += 1
+            computed_from, refs = self._shared
+            if refs and _same(computed_from, leaves):
+                residuals = [r() for r in refs]
+                if all(r is not None for r in residuals):
+                    return self._apply(leaves, residuals, cots)
+        else:
+            self._split = self._calls >= self.SHARE_AFTER
+            self._leaves, self._calls = _identities(leaves), 1
+        if not self._split:
+            return self._whole_vjp(entry)(leaves, cots)
+        if self._linearize is None:
+            self._linearize, self._apply = self._split_vjp(entry)
+        computed_from = _identities(leaves)  # before: a write meanwhile makes it stale
+        residuals = self._linearize(leaves)
+        self._shared = (computed_from, tuple(weakref.ref(r) for r in residuals))
+        return self._apply(leaves, residuals, cots)
+
+    def _whole_vjp(self, entry) -> Derived:
+        if self._whole is None:
+            key = self._key
+            self._whole = derived(self._edges, entry, "vjp",
+                                  lambda program: vjp_function(program, key), key)
+        return self._whole
+
+    def _split_vjp(self, entry) -> tuple[Derived, Derived]:
+        key = self._key
+        parts = linearized_vjp(entry.program, key)
+        return (derived(self._edges, entry, "vjp linearize", lambda _: parts[0], key),
+                derived(self._edges, entry, "vjp apply", lambda _: parts[1], key))
+
+
+def _identities(leaves) -> tuple:
+    # The object, its version (in-place writes) and memory (``.data =`` keeps the version).
+    return tuple((weakref.ref(t), t._version, t.data_ptr()) for t in leaves)
+
+
+def _same(identities: tuple, leaves) -> bool:
+    if len(identities) != len(leaves):
+        return False
+    for (ref, version, pointer), t in zip(identities, leaves, strict=True):
+        if ref() is not t or t._version != version or t.data_ptr() != pointer:
+            return False
+    return True
+
+
+def _wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _executes(node) -> bool:

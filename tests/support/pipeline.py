@@ -13,6 +13,9 @@ A ``Program`` (``flaxside.internal``) is tested on its own in
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import jax
 
 
@@ -92,3 +95,35 @@ def derived_programs(owner) -> list:
 
     return [e.program for entry in entries(owner) for derived in derived_owners(entry)
             for e in entries(derived)]
+
+
+@contextlib.contextmanager
+def program_runs():
+    """Counts the program runs of every entry while active: ``{(program name, kind): runs}``."""
+    from torchside._entry import Entry
+
+    runs = collections.Counter()
+    run = Entry.run
+
+    def counted(entry, kind, *args):
+        runs[entry.program.name, kind] += 1
+        return run(entry, kind, *args)
+
+    Entry.run = counted
+    try:
+        yield runs
+    finally:
+        Entry.run = run
+
+
+def shared_residuals(owner) -> list:
+    """The residual tensors still alive that the owner's VJP calls may share
+    (NOTE [Shared linearization] in ``torchside/_higher.py``)."""
+    from torchside._higher import VjpCalls, owners_of
+
+    out = []
+    for entry in entries(owner):
+        for calls in owners_of(entry).values():
+            if isinstance(calls, VjpCalls):
+                out += [r() for r in calls._shared[1] if r() is not None]
+    return out
