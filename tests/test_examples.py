@@ -132,9 +132,19 @@ def _check_benchmark(done, out) -> None:
         assert max(r["mismatch"].values()) < 1e-4, r["mismatch"]
         assert set(r["times"]) == {"bridge", "pure JAX", "no bridge", "torch",
                                    "fast path"}, r["times"]
-        # The floor runs the programs the bridge compiled, one per order and kind.
-        assert all(p["compiled"] == 1 and p["runs"] >= 1 for p in r["programs"]), r
+        # The floor runs only programs the bridge compiled too, by order and kind.
+        assert all(p["compiled"] >= 1 for p in r["programs"] if p["runs"]), r
     assert max(p["order"] for p in higher["PINN"]["programs"]) == 3
+    # NOTE [Shared linearization]: a step of the PINN (after the first) splits the VJPs of
+    # orders 2 and 3, linearized once per leaf set and applied per call; the penalty's one
+    # call per leaf set keeps the whole VJP.
+    runs = {(p["order"], p["kind"]): p["runs"] for p in higher["PINN"]["programs"]}
+    for order in (2, 3):
+        assert runs[order, "forward_with_residuals"] == 0, runs
+        assert 1 <= runs[order, "linearize forward_with_residuals"] < runs[
+            order, "apply forward_with_residuals"], runs
+    assert all(p["kind"] in ("forward_with_residuals", "backward")
+               for p in higher["PENALTY"]["programs"]), higher["PENALTY"]["programs"]
     (shard,) = results["shard"]  # 2 processes, four contestants and two in bfloat16
     assert shard["mismatch"] < 1e-4, shard["losses"]
     assert shard["mismatch_bf16"] < 2.0**-5, shard["losses"]

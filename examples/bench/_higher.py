@@ -72,6 +72,7 @@ TARGETS = {"PENALTY": 1.5, "PINN": 2.0}  # bridge <= this x pure JAX (CPU)
 FLOOR_TARGET = 1.1  # bridge <= this x the no-bridge floor
 _KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recompute",
                "value_and_grad")
+_ROLES = ("", "linearize ", "apply ")  # NOTE [Shared linearization]: a VJP's parts
 # What each order's programs compute (NOTE [Higher order]), per workload and order.
 COMPUTES = {
     "PENALTY": {
@@ -83,10 +84,13 @@ COMPUTES = {
     "PINN": {
         1: "the trunk's forward (remat_scan: keeps the carries); backward recomputes "
            "each layer",
-        2: "the VJP for the input alone (the first derivative): recomputes the trunk's "
-           "forward",
-        3: "the VJP of the VJP for the input alone (the Laplacian's second derivative): "
-           "recomputes the forward and the VJP",
+        2: "the VJP for the input alone, called for the first derivative and once per "
+           "dimension back through order 1, on one leaf set: split (NOTE [Shared "
+           "linearization]) into linearize (the trunk's forward and linearization, once a "
+           "step; its backward once) and apply (per call); the first step runs the whole "
+           "VJP, which recomputes the forward per call",
+        3: "the VJPs of order 2's linearize and of its first apply, each called once per "
+           "dimension of the Laplacian on one leaf set: split the same way",
     },
 }
 
@@ -286,8 +290,10 @@ def bridge_programs(module) -> Counter:
 
     def walk(caller, order):
         for entry in caller.entries:
+            name = entry.program.name
+            role = next((r for r in _ROLES[1:] if name.endswith(f"(vjp {r.strip()})")), "")
             for kind in entry._executables:
-                found[order, kind] += 1
+                found[order, role + kind] += 1
             for derived in derived_owners(entry):
                 walk(derived._caller, order + 1)
 
@@ -316,7 +322,7 @@ def held_by_order(module, step, exclude: list[torch.Tensor]) -> dict:
             known.add(storage.data_ptr())
             entry = getattr(torch._C._current_autograd_node(), "entry", None)
             order = 1 if inside[0] else (
-                "torch" if entry is None else entry.program.name.count("(vjp)") + 2)
+                "torch" if entry is None else entry.program.name.count("(vjp") + 2)
             held[order] += storage.nbytes()
         return t
 
@@ -327,6 +333,12 @@ def held_by_order(module, step, exclude: list[torch.Tensor]) -> dict:
         for h in hooks:
             h.remove()
     return dict(held)
+
+
+def _kind_rank(kind: str) -> tuple[int, int]:
+    """Where a program kind (with its role, if a VJP's part) sorts in its order's rows."""
+    role = next((r for r in _ROLES[1:] if kind.startswith(r)), "")
+    return _ROLES.index(role), _KIND_ORDER.index(kind[len(role):])
 
 
 def _mismatch(grads: list, reference: list) -> float:
@@ -353,6 +365,8 @@ def higher_rows(size_name: str, size: dict) -> list[dict]:
         first, compile_s = {}, {}
         for c in contestants:
             first[c.name], compile_s[c.name] = c.first_call()
+        # The bridge's second step compiles the VJPs it splits (NOTE [Shared linearization]).
+        second = contestants[0].first_call()
         grads = {}
         for c in contestants:
             c.call()
@@ -372,9 +386,10 @@ def higher_rows(size_name: str, size: dict) -> list[dict]:
                          arrays=arrays.get((o, k)), runs=runs[o, k],
                          seconds=spent[o, k] / max(runs[o, k], 1))
                     for o, k in sorted(set(compiled) | set(runs),
-                                       key=lambda ok: (ok[0], _KIND_ORDER.index(ok[1])))]
+                                       key=lambda ok: (ok[0], *_kind_rank(ok[1])))]
         rows.append(dict(name=name, describe=describe, times=times, rounds=rounds,
-                         first_call=first, compile=compile_s, mismatch=mismatch,
+                         first_call=first, compile=compile_s, second_call=second,
+                         mismatch=mismatch,
                          programs=programs, held=held, computes=COMPUTES[name],
                          floor_seconds=floor_seconds,
                          program_seconds=sum(v for k, v in spent.items() if k != "dlpack"),

@@ -11,6 +11,7 @@ VJP's programs, as the bridge's is); ``FloorTrunk`` is the PINN's trunk through 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter, defaultdict
 
 import jax
@@ -18,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from flaxside.internal import LeafSpec, Program, WriteBack, unpack, vjp_function
+from flaxside.internal import (
+    LeafSpec,
+    Program,
+    WriteBack,
+    linearized_vjp,
+    unpack,
+    vjp_function,
+)
 
 jtu = jax.tree_util
 
@@ -34,13 +42,13 @@ class Node:
     its seconds to ``seconds``. A node's derivatives share its counters and held arrays.
     """
 
-    def __init__(self, fn, order: int = 1, parent: Node | None = None):
-        self.fn, self.order = fn, order
+    def __init__(self, fn, order: int = 1, parent: Node | None = None, role: str = ""):
+        self.fn, self.order, self.role = fn, order, role  # role: "", "linearize ", "apply "
         self.runs = Counter() if parent is None else parent.runs
         self.seconds = defaultdict(float) if parent is None else parent.seconds
         self.timed = [False] if parent is None else parent.timed
         self.held = {} if parent is None else parent.held
-        self._programs, self._derived, self._zeros = {}, {}, {}
+        self._programs, self._derived, self._zeros, self._shares = {}, {}, {}, {}
 
     def to_jax(self, t: torch.Tensor):
         """A parameter's memory is imported once, as the bridge holds it; the rest per call.
@@ -79,21 +87,36 @@ class Node:
                 lambda xs: (fn(xs), [], WriteBack()), specs, name=f"order {self.order}")
         return program
 
-    def derived(self, program: Program, wanted: tuple | None) -> Node:
-        """The node of ``vjp_function(program, wanted)``: ``f(leaves + cotangents)``."""
-        node = self._derived.get((program, wanted))
+    def derived(self, program: Program, wanted: tuple | None, role: str = "") -> Node:
+        """The node of ``vjp_function(program, wanted)``: ``f(leaves + cotangents)``; with
+        ``role`` "linearize " or "apply ", of that part of ``linearized_vjp``'s split:
+        ``linearize(leaves)``, ``apply(leaves + residuals + cotangents)``."""
+        node = self._derived.get((program, wanted, role))
         if node is None:
-            vjp, n = vjp_function(program, wanted), len(program.specs)
-            node = self._derived[program, wanted] = Node(lambda xs: vjp(xs[:n], xs[n:]),
-                                                          self.order + 1, self)
+            n, k = len(program.specs), len(program.diff_out_index)
+            if not role:
+                vjp = vjp_function(program, wanted)
+                fn = lambda xs: vjp(xs[:n], xs[n:])  # noqa: E731
+            else:
+                parts = self._shares[program, wanted].parts
+                fn = parts[0] if role == "linearize " else (
+                    lambda xs: parts[1](xs[:n], xs[n:-k], xs[-k:]))
+            node = self._derived[program, wanted, role] = Node(fn, self.order + 1, self, role)
         return node
 
+    def share(self, program: Program, wanted: tuple | None) -> _Share:
+        """The calls of ``program``'s VJP for ``wanted``: split as the bridge splits them."""
+        share = self._shares.get((program, wanted))
+        if share is None:
+            share = self._shares[program, wanted] = _Share(linearized_vjp(program, wanted))
+        return share
+
     def run(self, program: Program, kind: str, *args) -> list:
-        self.runs[self.order, kind] += 1
+        self.runs[self.order, self.role + kind] += 1
         start = time.perf_counter()
         out = program.executable(kind)(*args)
         jax.block_until_ready(out)  # torch reads the results next
-        self._spent((self.order, kind), start)
+        self._spent((self.order, self.role + kind), start)
         return out
 
     def profile(self, step, repeats: int) -> float:
@@ -115,10 +138,10 @@ class Node:
         """``(order, kind) -> arrays`` each program returns (results and residuals)."""
         out = {}
         for program in self._programs.values():
-            out[self.order, "forward_with_residuals"] = len(program.out_specs) + len(
-                program.residual_map().residual_specs)
-            out[self.order, "backward"] = len(program.grad_specs)
-            for (p, _), node in self._derived.items():
+            out[self.order, self.role + "forward_with_residuals"] = len(
+                program.out_specs) + len(program.residual_map().residual_specs)
+            out[self.order, self.role + "backward"] = len(program.grad_specs)
+            for (p, *_), node in self._derived.items():
                 if p is program:
                     out.update(node.arrays_out())
         return out
@@ -174,7 +197,7 @@ class _Call(torch.autograd.Function):
             cots = [node.to_torch(node.zeros(program, k)) if c is None else c
                     for k, c in zip(program.diff_out_index, cots, strict=True)]
             key = None if len(wanted) == len(program.diff_index) else wanted
-            out = _Call.apply(node.derived(program, key), *ctx.saved_tensors, *cots)
+            out = node.share(program, key)(node, program, key, ctx.saved_tensors, cots)
             index = [program.diff_index[p] for p in wanted]
         else:
             out = node.backward(program, ctx.arrays, ctx.out,
@@ -183,6 +206,36 @@ class _Call(torch.autograd.Function):
         for i, g in zip(index, out, strict=True):
             full[i] = g
         return (None, *full)
+
+
+class _Share:
+    """The bridge's NOTE [Shared linearization] (``torchside/_higher.py``), as small as it
+    gets: a leaf set (the same tensors, at the same versions) after one with several calls
+    is linearized once and applied per call."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.leaves, self.residuals, self.calls, self.split = (), (), 0, False
+
+    def __call__(self, node, program, key, leaves, cots) -> tuple:
+        same = len(self.leaves) == len(leaves) and all(
+            ref() is t and t._version == v
+            for (ref, v), t in zip(self.leaves, leaves, strict=True))
+        if same:
+            self.calls += 1
+            residuals = [r() for r in self.residuals]
+            if residuals and all(r is not None for r in residuals):
+                return _Call.apply(node.derived(program, key, "apply "), *leaves,
+                                   *residuals, *cots)
+        else:
+            self.split, self.calls = self.calls >= 2, 1
+            self.leaves = tuple((weakref.ref(t), t._version) for t in leaves)
+            self.residuals = ()
+        if not self.split:
+            return _Call.apply(node.derived(program, key), *leaves, *cots)
+        residuals = _Call.apply(node.derived(program, key, "linearize "), *leaves)
+        self.residuals = tuple(weakref.ref(r) for r in residuals)
+        return _Call.apply(node.derived(program, key, "apply "), *leaves, *residuals, *cots)
 
 
 def _executes(node) -> bool:

@@ -265,7 +265,10 @@ def print_targets(results: dict, extra: list | None = None) -> str:
     return f"### {title}\n\n" + _table(["target", "measured", "ratio", "verdict"], rows)
 
 
-_KINDS = {"forward_with_residuals": "forward with residuals", "backward": "backward"}
+_KINDS = {f"{role}{kind}": f"{role.strip()}: {what}" if role else what
+          for role in ("", "linearize ", "apply ")
+          for kind, what in (("forward_with_residuals", "forward with residuals"),
+                             ("backward", "backward"))}
 
 
 def ratio_targets(row: dict, limits, agreement: tuple[str, str]) -> list[list[str]]:
@@ -311,7 +314,8 @@ def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
     for r in rows:
         f, c = r["first_call"], r["compile"]
         line = (f"{r['name']}: {r['describe']}; first call, wall (of which JAX compile): "
-                + ", ".join(f"{n} {fmt_time(f[n])} ({fmt_time(c[n])})" for n in names[:3]))
+                + ", ".join(f"{n} {fmt_time(f[n])} ({fmt_time(c[n])})" for n in names[:3])
+                + "; the bridge's second call {} ({})".format(*map(fmt_time, r["second_call"])))
         print(f"  {line}")
         md.append(f"- {line}")
     print()
