@@ -26,9 +26,11 @@ backward is the VJP of this one, and so on, to any order JAX can differentiate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from flaxside._bodies import replaced
@@ -217,8 +219,10 @@ def linearized_vjp(program: Program, wanted: tuple[int, ...] | None = None):
 
     ``linearize(leaves) -> residuals`` computes everything the gradients need that does not
     depend on the cotangents (the forward and its linearization: ``jax.linearize`` of the
-    VJP in its cotangents, which it is linear in); ``apply(leaves, residuals, cotangents)
-    -> gradients`` the rest: ``apply(leaves, linearize(leaves), c) == f(leaves, c)`` for
+    VJP in its cotangents, at zero); ``apply(leaves, residuals, cotangents) -> gradients``
+    the rest, exactly the VJP where it is linear in its cotangents (``program.linear_vjp``:
+    JAX's own rules are; a ``custom_vjp`` rule need not be, and the caller must not split
+    then): ``apply(leaves, linearize(leaves), c) == f(leaves, c)`` for
     ``f = vjp_function(program, wanted)``. Both are ordinary JAX functions of their
     arguments, so the composition differentiates as ``f`` does (torch's NOTE [Shared
     linearization]: calls that differ only in the cotangents run ``linearize`` once).
@@ -241,6 +245,10 @@ def linearized_vjp(program: Program, wanted: tuple[int, ...] | None = None):
         labels = tuple(("leaf", index[id(r)]) if id(r) in index else
                        ("key", jax.random.key_impl(r)) if is_key(r) else ("array", None)
                        for r in res)
+        known = maps.get(_avals(leaves))
+        if known is not None and known[1] != labels:  # compiled programs would disagree
+            raise AssertionError(f"{program.name}: the linearization's residuals differ "
+                                 f"between two traces: {known[1]} and {labels}")
         maps[_avals(leaves)] = treedef, labels
         return [jax.random.key_data(r) if kind == "key" else r
                 for r, (kind, _) in zip(res, labels, strict=True) if kind != "leaf"]
@@ -255,6 +263,53 @@ def linearized_vjp(program: Program, wanted: tuple[int, ...] | None = None):
         return list(jax.tree_util.tree_unflatten(treedef, res)(list(cotangents)))
 
     return linearize, apply
+
+
+def vjp_work(program: Program, wanted: tuple[int, ...] | None = None) -> float:
+    """About how many floating-point operations one call of ``vjp_function`` makes.
+
+    Read from its jaxpr, traced once: two per multiply-add of each ``dot_general``, one per
+    element of every other primitive's outputs, a scan's body counted once per iteration
+    (XLA's own cost analysis counts a loop's body once), a ``cond``'s costliest branch.
+    Deterministic, and the same on every device: what decides whether calls that share
+    a linearization are worth a call more (torch's NOTE [Shared linearization]).
+    """
+    f = vjp_function(program, wanted)
+    leaves = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in program.specs]
+    cotangents = [jax.ShapeDtypeStruct(program.out_specs[k].shape, program.out_specs[k].dtype)
+                  for k in program.diff_out_index]
+    return _work(jax.make_jaxpr(f)(leaves, cotangents).jaxpr)
+
+
+def _work(jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            k = math.prod(eqn.invars[0].aval.shape[d] for d in contracted)
+            total += 2 * k * math.prod(eqn.outvars[0].aval.shape)
+            continue
+        inner = [_work(j.jaxpr if isinstance(j, jax.extend.core.ClosedJaxpr) else j)
+                 for j in _sub_jaxprs(eqn.params)]
+        if eqn.primitive.name == "scan":
+            total += eqn.params["length"] * sum(inner)
+        elif eqn.primitive.name == "cond":
+            total += max(inner, default=0.0)
+        elif inner:
+            total += sum(inner)
+        else:
+            total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+    return total
+
+
+def _sub_jaxprs(params) -> list:
+    kinds = (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
+    out = []
+    for v in params.values():
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, kinds):
+                out.append(x)
+    return out
 
 
 def _avals(leaves) -> tuple:

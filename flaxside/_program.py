@@ -157,12 +157,15 @@ class Program(TracedBodies):
                                zip(self._traced_out, self._out_shardings, strict=True))
         self.diff_out_index = tuple(k for k, s in enumerate(self.out_specs) if s.diff)
         self._sharded_diff_outputs = tuple(out_placed[k] is not None for k in self.diff_out_index)
+        # Whether the VJP is linear in its cotangent (no custom_vjp rule, no float16):
+        # scaled after (NOTE [Scalar loss]) or linearized once (NOTE [Shared linearization]).
+        self.linear_vjp = linear_in_cotangent(closed.jaxpr)
         # One real scalar to differentiate (a loss) and a VJP linear in its cotangent:
         # value_and_grad applies, its gradients times a real cotangent being the VJP's.
         self.scalar_loss = len(self.diff_out_index) == 1 and (
             self.out_specs[self.diff_out_index[0]].shape == ()
             and jnp.issubdtype(self.out_specs[self.diff_out_index[0]].dtype, jnp.floating)
-            and linear_in_cotangent(closed.jaxpr))
+            and self.linear_vjp)
         used = 0
         for m in masks:
             used |= m

@@ -15,6 +15,7 @@ from flaxside._higher import linearized_vjp as linearized_vjp
 from flaxside._higher import per_sample_norms_function as per_sample_norms_function
 from flaxside._higher import per_sample_vjp_function as per_sample_vjp_function
 from flaxside._higher import vjp_function as vjp_function
+from flaxside._higher import vjp_work as vjp_work
 from flaxside._leaves import WriteBack as WriteBack
 from flaxside._leaves import key_data_shape as key_data_shape
 from flaxside._leaves import wrap_keys as wrap_keys
@@ -62,5 +63,6 @@ __all__ = [
     "spec_axes",
     "unpack",
     "vjp_function",
+    "vjp_work",
     "wrap_keys",
 ]
