@@ -51,7 +51,13 @@ import jax
 import torch
 
 import bridge
-from flaxside.internal import batched_function, jvp_function, linearized_vjp, vjp_function
+from flaxside.internal import (
+    batched_function,
+    jvp_function,
+    linearized_vjp,
+    vjp_function,
+    vjp_work,
+)
 from torchside import _errors
 from torchside._call import Caller, function_settings, resolve
 from torchside._owner import CallerOwner
@@ -139,7 +145,7 @@ def differentiate(ctx, entry, route, saved, cots) -> list:
     leaves = holds.every_leaf(entry.layout, saved, ctx.kept, ctx.state)
     # The leaves' nodes (torch lists an edge per tensor argument: the leaves alone).
     nodes = [node for node, _ in ctx.next_functions]
-    return differentiable_backward(ctx.edges, entry, leaves, cots, nodes)
+    return differentiable_backward(ctx.edges, entry, leaves, cots, nodes, ctx)
 
 
 def _overwritten_state_read(entry) -> str | None:
@@ -151,7 +157,8 @@ def _overwritten_state_read(entry) -> str | None:
     return None
 
 
-def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None) -> list:
+def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None,
+                            ctx=None) -> list:
     """Per leaf its gradient, as the output of a differentiable call (NOTE above).
 
     Args:
@@ -163,6 +170,8 @@ def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None) 
             not known): a gradient whose node the running backward will not execute
             (``autograd.grad`` of the input alone, as a gradient penalty asks) is
             neither computed nor differentiated later.
+        ctx: the autograd context of the eager call whose backward this is: calls with
+            one context may share a linearization (NOTE [Shared linearization]).
     """
     n = len(entry.layout.names)
     if nodes is not None and len(nodes) != n:
@@ -182,7 +191,7 @@ def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None) 
     calls = owners_of(entry).get(("vjp calls", key))
     if calls is None:
         calls = owners_of(entry)["vjp calls", key] = VjpCalls(edges, key)
-    for p, g in zip(wanted, calls(entry, list(leaves), cots), strict=True):
+    for p, g in zip(wanted, calls(entry, list(leaves), cots, ctx), strict=True):
         out[entry.grad_slots[p]] = g
     return out
 
@@ -197,55 +206,67 @@ class VjpCalls:
     the forward and its linearization. ``flaxside``'s ``linearized_vjp`` splits the VJP
     there, into ``linearize(leaves) -> residuals`` and ``apply(leaves, residuals,
     cotangents) -> gradients``, two calls of their own, so the residuals are differentiable
-    outputs: a later call on the same leaves (the same tensors at the same versions and
-    memory, while the residuals live) runs ``apply`` alone, and the backward of every such
-    call sends its residuals' cotangents to the one ``linearize`` node, which torch's
-    autograd sums and runs once. A leaf set with one call gains nothing from the split and
-    pays a second call and its dispatch (a gradient penalty), so a new leaf set is split
-    only when the last one had ``SHARE_AFTER`` calls or more; the first leaf set, and calls
-    under a torch.func transform (tensors there are wrapped per level), take the whole VJP.
+    outputs. The derivatives of one eager call (one autograd context) share them: the
+    first runs ``linearize``, every later one on the same leaves (the same tensors at the
+    same versions and memory) runs ``apply`` alone, and torch's autograd sums what each
+    ``apply`` sends back into the one ``linearize`` node and runs its backward once. The
+    residuals are kept on that context, so they live exactly as long as the call's node:
+    another step's call, even on the same tensors written through ``.data``, shares none.
 
-    The residuals are referenced weakly: they live as long as the graph that keeps them
-    (every ``apply`` node keeps its leaves for a derivative of its own), so nothing here
-    outlives the step's graph.
+    A split costs a call more, worth it only where the linearization outweighs the
+    dispatch: a call's derivatives are split when the last differentiated call had
+    ``SHARE_AFTER`` derivatives or more (a gradient penalty has one) and the VJP's work
+    (``vjp_work``) reaches ``SPLIT_MIN_WORK``, and never where a ``custom_vjp`` rule may
+    not be linear in its cotangent (``program.linear_vjp``). The first step, calls under
+    torch.func (tensors wrapped per level) and ``TransformedCall``'s backward take the
+    whole VJP.
     """
 
     SHARE_AFTER = 2
+    # Below this many floating-point operations per VJP call (``vjp_work``) the call more
+    # costs more than the linearizations saved: examples/bench/shared_linearization.py
+    # (docs/benchmarks.md) puts the crossover between 3.3e6 and 6.7e6 on a 2-core CPU.
+    SPLIT_MIN_WORK = 5e6
 
     def __init__(self, edges, key):
         # Not the entry: this lives in the entry's value of a weak dictionary.
         self._edges, self._key = edges, key
         self._whole = self._linearize = self._apply = None
-        self._leaves = ()  # the current leaf set: per leaf (weakref, version, pointer)
-        self._calls = 0  # calls on the current leaf set
-        self._split = False  # whether the current leaf set is split
-        # The last residuals, with the leaf set they were computed from: one value, set at
-        # once, so a call made from another thread never pairs one set's leaves with
-        # another's residuals (the counts above only choose a route).
-        self._shared = ((), ())
+        self._calls = 0  # calls derived from the last differentiated call (context)
+        self._split = False  # whether that call's derivatives are split
+        self._work = None  # the VJP's floating-point operations (``vjp_work``), once
+        self._last = ()  # weak references to the last residuals (for tests)
 
-    def __call__(self, entry, leaves: list, cots: list) -> list:
-        if (torch._C._are_functorch_transforms_active() or not torch.is_grad_enabled()
-                or any(map(_wrapped, leaves))):  # a dead transform's tensors
-            return self._whole_vjp(entry)(leaves, cots)
-        if _same(self._leaves, leaves):
-            self._calls += 1
-            computed_from, refs = self._shared
-            if refs and _same(computed_from, leaves):
-                residuals = [r() for r in refs]
-                if all(r is not None for r in residuals):
-                    return self._apply(leaves, residuals, cots)
+    def __call__(self, entry, leaves: list, cots: list, ctx) -> list:
+        if (ctx is None or torch._C._are_functorch_transforms_active()
+                or not torch.is_grad_enabled() or any(map(_wrapped, leaves))):
+            return self._whole_vjp(entry)(leaves, cots)  # (a dead transform's tensors)
+        kept = ctx.__dict__.setdefault("linearized", {})  # lives as long as the call's node
+        shared = kept.get(self._key)
+        if shared is None:  # the first derivative of this call
+            self._split = self._calls >= self.SHARE_AFTER and self._worth_it(entry)
+            self._calls = 1
+            shared = kept[self._key] = [None]
         else:
-            self._split = self._calls >= self.SHARE_AFTER
-            self._leaves, self._calls = _identities(leaves), 1
+            self._calls += 1
+            computed = shared[0]  # (the leaves' identities, the residuals), set at once
+            if computed is not None and _same(computed[0], leaves):
+                return self._apply(leaves, computed[1], cots)
         if not self._split:
             return self._whole_vjp(entry)(leaves, cots)
         if self._linearize is None:
             self._linearize, self._apply = self._split_vjp(entry)
-        computed_from = _identities(leaves)  # before: a write meanwhile makes it stale
+        identities = _identities(leaves)  # before: a write meanwhile makes it stale
         residuals = self._linearize(leaves)
-        self._shared = (computed_from, tuple(weakref.ref(r) for r in residuals))
+        shared[0] = (identities, residuals)
+        self._last = tuple(weakref.ref(r) for r in residuals)
         return self._apply(leaves, residuals, cots)
+
+    def _worth_it(self, entry) -> bool:
+        if self._work is None:  # -1: a custom_vjp rule may not be linear in its cotangent
+            self._work = (vjp_work(entry.program, self._key)
+                          if entry.program.linear_vjp else -1.0)
+        return 0 <= self._work >= self.SPLIT_MIN_WORK
 
     def _whole_vjp(self, entry) -> Derived:
         if self._whole is None:

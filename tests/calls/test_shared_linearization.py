@@ -19,7 +19,7 @@ import pytest
 import torch
 from flax import nnx
 
-from flaxside.internal import LeafSpec, Program, linearized_vjp, vjp_function
+from flaxside.internal import LeafSpec, Program, linearized_vjp, vjp_function, vjp_work
 from tests.calls.test_higher_order import OWNERS, TanhLayer, _apply, _close, _linen
 from tests.support import pipeline
 from tests.support.references import to_jax
@@ -78,7 +78,9 @@ PINN_OWNERS = {**OWNERS, "remat_scan": _trunk, "nnx": _nnx_tanh}
 
 
 @pytest.mark.parametrize("owner", list(PINN_OWNERS))
-def test_a_pinn_trained_over_steps_equals_pure_jax_and_shares_the_linearization(owner):
+def test_a_pinn_trained_over_steps_equals_pure_jax_and_shares_the_linearization(
+        owner, monkeypatch):
+    monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)  # these blocks are small
     torch.manual_seed(0)
     m = PINN_OWNERS[owner]("save")
     x = torch.randn(4, 3, requires_grad=True)
@@ -102,7 +104,8 @@ def test_a_pinn_trained_over_steps_equals_pure_jax_and_shares_the_linearization(
         whole = runs[f"{base} (vjp)", "forward_with_residuals"]
         linearize = runs[f"{base} (vjp linearize)", "forward_with_residuals"]
         apply = runs[f"{base} (vjp apply)", "forward_with_residuals"]
-        if step == 0:  # the first leaf set takes the whole VJP, and counts its calls
+        if step == 0 or owner == "remat_stack":  # the first step takes the whole VJP,
+            # and counts its calls; remat_stack's is a custom_vjp: never split
             assert (whole, linearize, apply) == (4, 0, 0)
         else:  # one leaf set (this step's parameters): linearized once, applied per call
             assert (whole, linearize, apply) == (0, 1, 4)
@@ -116,6 +119,7 @@ def test_residuals_are_not_shared_with_leaves_changed_since(monkeypatch, change)
     memory) between two calls, while the first call's graph still lives: the second call
     linearizes again, and equals pure JAX at the new values."""
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)  # every leaf set split
+    monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
     x = torch.randn(4, 3, requires_grad=True)
@@ -141,6 +145,7 @@ def test_residuals_are_not_shared_with_leaves_changed_since(monkeypatch, change)
 
 def test_the_residuals_live_no_longer_than_the_graph(monkeypatch):
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
+    monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
     x = torch.randn(4, 3, requires_grad=True)
@@ -194,6 +199,7 @@ def test_linearize_then_apply_is_the_vjp_and_differentiates_as_it(wanted):
     residuals = jax.jit(linearize)([w, x, key])
     # The key, as its data (jax_remat3 stages the remat so that no key is a residual).
     assert jax.config.jax_remat3 or any(r.dtype == np.uint32 for r in residuals)
+    assert not any(r.shape == w.shape for r in residuals)  # the weight: read from the leaves
     for got, want in zip(jax.jit(split)(w, x, ct), jax.jit(joined)(w, x, ct), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -204,3 +210,117 @@ def test_linearize_then_apply_is_the_vjp_and_differentiates_as_it(wanted):
     want = jax.jit(jax.grad(scalar(joined), argnums=(0, 1, 2)))(w, x, ct)
     for g, v in zip(got, want, strict=True):
         np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5 * float(np.abs(v).max()))
+
+
+def test_a_vjp_below_the_work_that_pays_stays_whole(monkeypatch):
+    """The gate: a VJP whose work (``vjp_work``) is under ``SPLIT_MIN_WORK`` is called
+    whole every step, however many calls share its leaves."""
+    monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", float("inf"))
+    torch.manual_seed(0)
+    m = _trunk("save")
+    x = torch.randn(4, 3, requires_grad=True)
+    for _ in range(2):
+        with pipeline.program_runs() as runs:
+            _pinn_loss(m, x).backward()
+    base = pipeline.entries(m)[0].program.name
+    assert runs[f"{base} (vjp)", "forward_with_residuals"] == 4
+    assert not any("linearize" in name for name, _ in runs)
+
+
+@pytest.mark.parametrize("layers", [1, 8])
+def test_vjp_work_counts_each_matmul_once_per_scan_iteration(layers):
+    """``vjp_work`` against a hand count: a VJP for the weights and the input of
+    ``layers`` matmuls ``(m, k) @ (k, k)`` computes the forward and two products per
+    layer, ``6 m k k`` each, plus elementwise work far below one matmul's."""
+    m, k = 32, 16
+
+    def fn(leaves):
+        w, h = leaves
+
+        def layer(h, w):
+            return h @ w, None
+
+        return jax.lax.scan(layer, h, w)[0], [], None
+
+    program = Program(fn, [LeafSpec((layers, k, k), np.float32, True),
+                           LeafSpec((m, k), np.float32, True)])
+    work = vjp_work(program)
+    matmuls = 6 * m * k * k * layers
+    assert matmuls <= work < matmuls + 2 * m * k * k, (work, matmuls)
+
+
+def test_a_step_after_data_written_in_place_is_not_served_the_last_steps_residuals(
+        monkeypatch):
+    """``p.data.add_`` (a hand-written SGD step, weight clipping) changes neither the
+    parameter's version nor its memory. The last step's graph, still alive, holds its
+    residuals: the next step's calls are another call's derivatives and share nothing
+    with them, so its gradients are pure JAX's at the new values."""
+    monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
+    monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
+    torch.manual_seed(0)
+    m = _linen("save")
+    x = torch.randn(4, 3, requires_grad=True)
+    params = list(m.parameters())
+    names, f = _apply(m)
+    kept = _pinn_loss(m, x)  # the last step's graph, alive
+    assert pipeline.shared_residuals(m)
+    for p in params:
+        p.data.add_(0.25)
+    _pinn_loss(m, x).backward()
+    want_p, want_x = jax.grad(lambda v, x: _jax_pinn_loss(f, v, x), argnums=(0, 1))(
+        [to_jax(p) for p in params], to_jax(x))
+    _close(x.grad, want_x, "x.grad")
+    for name, p, want in zip(names, params, want_p, strict=True):
+        _close(p.grad, want, f"{name}.grad")
+    del kept
+
+
+@jax.custom_vjp
+def _clip_gradient(x):
+    return x
+
+
+_clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
+
+
+class Clipped(nn.Module):
+    """A block whose VJP is not linear in its cotangent: a ``custom_vjp`` clipping it."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(_clip_gradient(jnp.tanh(nn.Dense(8)(x))))
+
+
+def test_a_custom_vjp_not_linear_in_its_cotangent_is_never_split(monkeypatch):
+    """Linearized at a zero cotangent, a clipping rule is the identity: split, the first
+    derivative itself would change from the second step on. Such a VJP stays whole, and
+    each step's first derivative equals JAX's."""
+    from torchside import FlaxModule
+
+    monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
+    torch.manual_seed(0)
+    m = FlaxModule(Clipped(), example_args=(torch.zeros(4, 3),))
+    x = torch.randn(4, 3, requires_grad=True)
+    names, f = _apply(m)
+    params = list(m.parameters())
+
+    def u(values, x):
+        return ((x**2).sum(1, keepdims=True) * f(values, x)).sum()
+
+    for _ in range(3):
+        want = jax.grad(u, argnums=1)([to_jax(p) for p in params], to_jax(x))
+        with pipeline.program_runs() as runs:
+            (g,) = torch.autograd.grad((x.pow(2).sum(1, keepdim=True) * m(x)).sum(), x,
+                                       create_graph=True)
+            lap = sum(torch.autograd.grad(g[:, i].sum(), x, create_graph=True)[0][:, i]
+                      for i in range(3))
+            lap.pow(2).mean().backward()
+        _close(g, want, "the first derivative")
+        # The block's own VJP (its derivatives' VJPs are JAX's, linear: they may split).
+        base = pipeline.entries(m)[0].program.name
+        assert runs[f"{base} (vjp linearize)", "forward_with_residuals"] == 0
+        assert runs[f"{base} (vjp)", "forward_with_residuals"] == 4
+        with torch.no_grad():
+            for p in params:
+                p -= 0.05 * p.grad
+                p.grad = None

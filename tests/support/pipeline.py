@@ -125,5 +125,5 @@ def shared_residuals(owner) -> list:
     for entry in entries(owner):
         for calls in owners_of(entry).values():
             if isinstance(calls, VjpCalls):
-                out += [r() for r in calls._shared[1] if r() is not None]
+                out += [r() for r in calls._last if r() is not None]
     return out
