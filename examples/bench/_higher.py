@@ -27,6 +27,8 @@ Contestants, one step each, on the same weights and points (interleaved rounds, 
   derivatives pays; on CPU a DLPack conversion costs more than the bridge's pointer views,
   so the bridge may beat it;
 * ``torch``: the torch twin, eager (parameters in Flax's layout, same operations);
+* ``bridge, whole VJPs`` (PINN): the bridge step with every derived VJP called whole,
+  its linearization shared by no call (NOTE [Shared linearization] off);
 * ``fast path``: the loss written in JAX (``pure JAX``'s function) as one ``jax_function``
   of the model's own tensors (``FlaxModule.flax_variable_tensors``; ``pinn.py --fast``):
   torch asks for the gradients of one scalar, so the call is the one program
@@ -58,7 +60,7 @@ from _measure import Contestant, race  # noqa: E402
 from pinn import PINN, Trunk, fast_loss, jax_loss, laplacian, source  # noqa: E402
 
 from torchside import FlaxModule, jax_function  # noqa: E402
-from torchside._higher import derived_owners  # noqa: E402  (internals, read only)
+from torchside._higher import VjpCalls, derived_owners  # noqa: E402  (internals)
 
 jtu = jax.tree_util
 
@@ -69,6 +71,7 @@ SHAPES = {
     "smoke": dict(penalty=(8, 4, 16, 2), pinn=(16, 8, (2, 2))),
 }
 TARGETS = {"PENALTY": 1.5, "PINN": 2.0}  # bridge <= this x pure JAX (CPU)
+WHOLE = "bridge, whole VJPs"  # the PINN's bridge with NOTE [Shared linearization] off
 FLOOR_TARGET = 1.1  # bridge <= this x the no-bridge floor
 _KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recompute",
                "value_and_grad")
@@ -276,6 +279,22 @@ def pinn_contestants(points, width, lengths) -> tuple[list, dict]:
     fast_step, xy_j = fast_loss(fast), torch.tensor(xy_np)
     out.append(_Contestant("fast path", lambda: fast_step(xy_j).backward(),
                            list(fast.parameters())))
+
+    # The bridge with every VJP whole, never split (NOTE [Shared linearization] off): what
+    # sharing the linearization saves, side by side.
+    whole = PINN(width, lengths)
+    whole.load_state_dict(state)
+    xy_w = torch.tensor(xy_np, requires_grad=True)
+
+    def whole_step():
+        share = VjpCalls.SHARE_AFTER
+        VjpCalls.SHARE_AFTER = math.inf
+        try:
+            _torch_pinn(whole, xy_w)
+        finally:
+            VjpCalls.SHARE_AFTER = share
+
+    out.append(_Contestant(WHOLE, whole_step, list(whole.parameters()), [xy_w]))
     return out, dict(module=bridge.trunk, step=out[0].call, exclude=out[0].params)
 
 

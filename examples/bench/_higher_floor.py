@@ -26,7 +26,9 @@ from flaxside.internal import (
     linearized_vjp,
     unpack,
     vjp_function,
+    vjp_work,
 )
+from torchside._higher import VjpCalls  # the split's threshold (a constant, read once)
 
 jtu = jax.tree_util
 
@@ -108,7 +110,9 @@ class Node:
         """The calls of ``program``'s VJP for ``wanted``: split as the bridge splits them."""
         share = self._shares.get((program, wanted))
         if share is None:
-            share = self._shares[program, wanted] = _Share(linearized_vjp(program, wanted))
+            share = self._shares[program, wanted] = _Share(
+                linearized_vjp(program, wanted),
+                vjp_work(program, wanted) >= VjpCalls.SPLIT_MIN_WORK)
         return share
 
     def run(self, program: Program, kind: str, *args) -> list:
@@ -211,10 +215,11 @@ class _Call(torch.autograd.Function):
 class _Share:
     """The bridge's NOTE [Shared linearization] (``torchside/_higher.py``), as small as it
     gets: a leaf set (the same tensors, at the same versions) after one with several calls
-    is linearized once and applied per call."""
+    is linearized once and applied per call, where the VJP's work reaches the bridge's
+    ``SPLIT_MIN_WORK``."""
 
-    def __init__(self, parts):
-        self.parts = parts
+    def __init__(self, parts, worth_it: bool):
+        self.parts, self.worth_it = parts, worth_it
         self.leaves, self.residuals, self.calls, self.split = (), (), 0, False
 
     def __call__(self, node, program, key, leaves, cots) -> tuple:
@@ -228,7 +233,7 @@ class _Share:
                 return _Call.apply(node.derived(program, key, "apply "), *leaves,
                                    *residuals, *cots)
         else:
-            self.split, self.calls = self.calls >= 2, 1
+            self.split, self.calls = self.calls >= 2 and self.worth_it, 1
             self.leaves = tuple((weakref.ref(t), t._version) for t in leaves)
             self.residuals = ()
         if not self.split:

@@ -293,7 +293,7 @@ def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
     Returns:
         The target rows for the summary, and the printed tables as markdown.
     """
-    from _higher import FLOOR_TARGET, TARGETS
+    from _higher import FLOOR_TARGET, TARGETS, WHOLE
 
     title = ("Higher-order steps (median per step), agreement of the parameter gradients "
              "with pure JAX")
@@ -316,6 +316,10 @@ def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
         line = (f"{r['name']}: {r['describe']}; first call, wall (of which JAX compile): "
                 + ", ".join(f"{n} {fmt_time(f[n])} ({fmt_time(c[n])})" for n in names[:3])
                 + "; the bridge's second call {} ({})".format(*map(fmt_time, r["second_call"])))
+        if WHOLE in r["times"]:
+            t = r["times"]
+            line += (f"; {WHOLE} (no linearization shared) {fmt_time(t[WHOLE])}, "
+                     f"the bridge {t['bridge'] / t[WHOLE]:.2f}x of it")
         print(f"  {line}")
         md.append(f"- {line}")
     print()
@@ -356,7 +360,9 @@ def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
         targets += ratio_targets(r, (("pure JAX jit(grad)", "pure JAX", TARGETS[r["name"]]),
                                      ("the no-bridge floor", "no bridge", FLOOR_TARGET),
                                      ("pure JAX jit(grad)", "pure JAX", TARGETS[r["name"]],
-                                      "fast path")),
+                                      "fast path"),
+                                     *([("its VJPs whole", WHOLE, 1.0)]
+                                       if WHOLE in r["times"] else ())),
                                  ("every contestant computes the same parameter gradients",
                                   "worst leaf: max |g - pure JAX| / max |pure JAX|"))
     return targets, "\n".join(md)
