@@ -203,7 +203,7 @@ def dp_rows(size_name: str, size: dict) -> list[dict]:
         for c in racers:
             c.set_noise(NOISE)
         times, rounds = race(racers, budget=size["budget"], min_repeats=size["min_repeats"],
-                             warmup=size["warmup"])
+                             warmup=size["warmup"], label="DP-SGD")
         faults = {c.name: _page_faults(c) for c in racers}
     n_params = sum(p.numel() for p in racers[2].model.parameters())
     describe = (f"Linear {features}->{width}, nn.remat_scan{lengths} of residual MLP blocks, "

@@ -394,7 +394,8 @@ def higher_rows(size_name: str, size: dict) -> list[dict]:
         reference = grads["pure JAX"]
         mismatch = {k: _mismatch(g, reference) for k, g in grads.items()}
         times, rounds = race(contestants, budget=size["budget"],
-                             min_repeats=size["min_repeats"], warmup=size["warmup"])
+                             min_repeats=size["min_repeats"], warmup=size["warmup"],
+                             label=name)
         node = contestants[2].node
         floor_seconds = node.profile(contestants[2].call_and_keep, max(2, min(20, rounds)))
         compiled = bridge_programs(bridge["module"])

@@ -10,7 +10,6 @@ per extra leaf. ``device="cuda"`` runs the same sweep on a GPU (``examples/gpu_c
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import flax.linen as nn
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from _docs import md_table
+from _measure import best_of_threads, thread_counts
 
 from torchside import FlaxModule
 
@@ -115,8 +115,9 @@ class _Torch(_Contestant):
             p.grad = None
 
 
-def _race(contestants, budget: float, min_repeats: int) -> dict:
-    """Median seconds per call, contestants interleaved round by round (see ``race``)."""
+def _race(contestants, budget: float, min_repeats: int, label: str) -> dict:
+    """Median seconds per call, contestants interleaved round by round, each at its faster
+    torch thread count (``_measure.race``)."""
     for c in contestants:
         c.call()  # compile and warm up
         c.call()
@@ -124,14 +125,8 @@ def _race(contestants, budget: float, min_repeats: int) -> dict:
     for c in contestants:
         c.call()
     one = time.perf_counter() - start
-    rounds = max(min_repeats, min(500, int(budget / max(one, 1e-6))))
-    times = {c.name: [] for c in contestants}
-    for _ in range(rounds):
-        for c in contestants:
-            t0 = time.perf_counter()
-            c.call()
-            times[c.name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    rounds = max(min_repeats, min(500, int(budget / max(len(thread_counts()) * one, 1e-6))))
+    return best_of_threads(contestants, rounds, label, reset=False)
 
 
 def leaf_sweep(counts, *, budget: float, min_repeats: int, device: str = "cpu") -> dict:
@@ -149,7 +144,7 @@ def leaf_sweep(counts, *, budget: float, min_repeats: int, device: str = "cpu") 
     for n in counts:
         variables = leaf_variables(n)
         contestants = [cls(variables, x, ct, n, device) for cls in (_Bridge, _PureJax, _Torch)]
-        t = _race(contestants, budget, min_repeats)
+        t = _race(contestants, budget, min_repeats, f"leaf sweep {n}")
         for name in times:
             times[name].append(t[name])
         outs = [np.asarray(c.out.cpu() if isinstance(c.out, torch.Tensor) else c.out)

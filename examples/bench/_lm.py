@@ -256,7 +256,8 @@ def lm_rows(size: dict) -> list[dict]:
                       float(F.cross_entropy(dots_m(ids).reshape(-1, c["vocab"]),
                                             targets.reshape(-1)))]
         times, rounds = race(contestants, budget=size["budget"] * 2,
-                             min_repeats=size["min_repeats"], warmup=size["warmup"])
+                             min_repeats=size["min_repeats"], warmup=size["warmup"],
+                             label=name)
         step = train_steps(model, loss_m, params, ids, targets, j_ids, j_targets, size)
         held = {"plain": logits_m.memory_report(ids).held_bytes,
                 "remat dots": dots_m.memory_report(ids).held_bytes}
@@ -298,7 +299,7 @@ def train_steps(model, loss_m, params, ids, targets, j_ids, j_targets, size) -> 
                    _Contestant("bridge + torch AdamW", bridge_step, []),
                    _Contestant("torch AdamW.step alone", opt.step, [])]
     times, _ = race(contestants, budget=size["budget"], min_repeats=size["min_repeats"],
-                    warmup=size["warmup"])
+                    warmup=size["warmup"], label=f"{type(model).__name__} training step")
     return times
 
 

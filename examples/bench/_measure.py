@@ -61,12 +61,54 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-def race(contestants, *, budget: float, min_repeats: int, warmup: int = 1):
+# NOTE [Torch threads]. torch's default intra-op thread count is the machine's cores. With
+# OMP_WAIT_POLICY=PASSIVE (the scripts set it, so that torch's idle threads leave the cores
+# to XLA's) a multi-threaded kernel wakes a sleeping thread, and on a 2-core machine a call
+# made of small ops (TINY, the PINN's torch twin) runs several times slower on two threads
+# than on one, while large ones (MEDIUM) run faster on two. Timed at the default alone,
+# such a contestant, the torch twin above all, was compared at its worst. So every race
+# times each contestant at the default count and at one thread, in the same rounds, and
+# reports its faster median; ``ONE_THREAD`` records, per race, who was faster on one.
+ONE_THREAD: dict[str, list[str]] = {}
+
+
+def thread_counts() -> list[int]:
+    """torch's intra-op thread counts a race times each contestant at (NOTE above)."""
+    default = torch.get_num_threads()
+    return [default, 1] if default > 1 else [default]
+
+
+def best_of_threads(contestants, rounds: int, label: str, reset: bool = True) -> dict:
+    """``{name: median seconds}`` over ``rounds`` interleaved rounds, each contestant at its
+    faster thread count (NOTE [Torch threads]); ``label`` names the race in ``ONE_THREAD``."""
+    counts, default = thread_counts(), torch.get_num_threads()
+    times = {(c.name, n): [] for c in contestants for n in counts}
+    try:
+        for _ in range(rounds):
+            for n in counts:
+                torch.set_num_threads(n)
+                torch.ones(1 << 16).sum()  # wakes the pool: no contestant pays the switch
+                for c in contestants:
+                    start = time.perf_counter()
+                    c.call()
+                    times[c.name, n].append(time.perf_counter() - start)
+                    if reset:
+                        c.reset()
+    finally:
+        torch.set_num_threads(default)
+    medians = {k: statistics.median(t) for k, t in times.items()}
+    best = {c.name: min(counts, key=lambda n, c=c: medians[c.name, n]) for c in contestants}
+    ONE_THREAD[label] = [name for name, n in best.items() if n == 1 and n != default]
+    return {name: medians[name, n] for name, n in best.items()}
+
+
+def race(contestants, *, budget: float, min_repeats: int, warmup: int = 1, label: str = ""):
     """Median seconds per call of each contestant, measured in interleaved rounds.
 
-    Round-robin (one call of each contestant per round) so that load from other processes
-    on a shared machine hits every contestant alike. The number of rounds fills ``budget``
-    seconds, at least ``min_repeats``.
+    Round-robin (one call of each contestant per round and thread count) so that load from
+    other processes on a shared machine hits every contestant alike, each at its faster
+    torch thread count (``best_of_threads``). The number of rounds fills ``budget`` seconds,
+    at least ``min_repeats``.
 
     Returns:
         ``({name: median seconds}, rounds)``.
@@ -80,15 +122,20 @@ def race(contestants, *, budget: float, min_repeats: int, warmup: int = 1):
         c.call()
         one[c.name] = time.perf_counter() - start
         c.reset()
-    rounds = max(min_repeats, min(1000, int(budget / max(sum(one.values()), 1e-6))))
-    times = {c.name: [] for c in contestants}
-    for _ in range(rounds):
-        for c in contestants:
-            start = time.perf_counter()
-            c.call()
-            times[c.name].append(time.perf_counter() - start)
-            c.reset()
-    return {name: statistics.median(t) for name, t in times.items()}, rounds
+    per_round = len(thread_counts()) * sum(one.values())
+    rounds = max(min_repeats, min(1000, int(budget / max(per_round, 1e-6))))
+    return best_of_threads(contestants, rounds, label), rounds
+
+
+def one_thread_line() -> str | None:
+    """A markdown bullet: per race, the contestants reported at one torch thread."""
+    faster = [f"{label}: {', '.join(names)}" for label, names in ONE_THREAD.items() if names]
+    if len(thread_counts()) < 2:
+        return None
+    return (f"- torch threads: every contestant timed at {torch.get_num_threads()} and at 1 "
+            f"in the same rounds, its faster median given (NOTE [Torch threads] in "
+            f"examples/bench/_measure.py); faster on 1: "
+            + ("; ".join(faster) if faster else "none"))
 
 
 def held_bytes(call: Callable, exclude: list[torch.Tensor]) -> int:

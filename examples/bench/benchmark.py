@@ -130,7 +130,15 @@ from _dp import dp_rows, print_dp  # noqa: E402
 from _higher import higher_rows  # noqa: E402
 from _leaves import leaf_sweep, plot_leaf_sweep, print_leaf_sweep  # noqa: E402
 from _lm import lm_rows, print_lm  # noqa: E402
-from _measure import Bridge, PureJax, TorchEager, race, set_device  # noqa: E402
+from _measure import (  # noqa: E402
+    ONE_THREAD,
+    Bridge,
+    PureJax,
+    TorchEager,
+    one_thread_line,
+    race,
+    set_device,
+)
 from _report import (  # noqa: E402
     fmt_time,
     plot_sweep,
@@ -177,7 +185,8 @@ def run_workload(workload: Workload, size: dict) -> dict:
     scale = float(np.abs(reference).max())
     mismatch = {c.name: float(np.abs(c.output() - reference).max()) / scale for c in contestants}
     times, rounds = race(
-        contestants, budget=size["budget"], min_repeats=size["min_repeats"], warmup=size["warmup"]
+        contestants, budget=size["budget"], min_repeats=size["min_repeats"], warmup=size["warmup"],
+        label=workload.name,
     )
     held = {c.name: c.held() for c in contestants}
     return dict(
@@ -190,6 +199,7 @@ def run_workload(workload: Workload, size: dict) -> dict:
         first_call=first,
         compile=compile_s,
         mismatch=mismatch,
+        one_thread=ONE_THREAD.get(workload.name, []),
     )
 
 
@@ -246,7 +256,8 @@ def sweep(depths, size: dict, width: int = 64, batch: int = 32) -> list[dict]:
             contestants.append(t)
         # No warm-up: the first call (Flax) and held() (torch) already ran each once.
         row["time"], _ = race(
-            contestants, budget=size["budget"], min_repeats=size["sweep_repeats"], warmup=0
+            contestants, budget=size["budget"], min_repeats=size["sweep_repeats"], warmup=0,
+            label=f"sweep depth {depth}",
         )
         reference = contestants[-1].output()  # torch, checkpointed: same values as plain
         scale = float(np.abs(reference).max())
@@ -283,6 +294,7 @@ def sync_tiny_row(size_name: str) -> dict | None:
     with open(path) as f:
         row = json.load(f)["workloads"][0]
     row["name"] = "TINY sync"
+    ONE_THREAD[row["name"]] = row.get("one_thread", [])  # the child's race, named here
     return row
 
 
@@ -309,7 +321,8 @@ def main() -> None:
     print(
         f"flaxtorch benchmark ({size_name}): jax {jax.__version__}, flax {flax.__version__}, "
         f"torch {torch.__version__}, numpy {np.__version__}; {os.cpu_count()} CPU cores, "
-        f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY="
+        f"torch threads {torch.get_num_threads()} and 1 (each contestant's faster), "
+        f"OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY')}, JAX CPU dispatch {args.cpu_dispatch}, "
         f"device {args.device}"
         + (", float32 matmuls in full float32 on both (no TF32)" if args.device == "cuda"
@@ -375,7 +388,8 @@ def main() -> None:
         json.dump(results, f, indent=1, default=str)
     if args.docs:
         body = [f"Produced by `{_docs.command()}` ({size_name} size, measured in "
-                f"{time.perf_counter() - start:.0f} s).", "", *_docs.machine(), "",
+                f"{time.perf_counter() - start:.0f} s).", "", *_docs.machine(),
+                *filter(None, [one_thread_line()]), "",
                 *(t.strip() + "\n" for t in tables if t)]
         block = "benchmark" if args.device == "cpu" else f"benchmark_{args.device}"
         _docs.write_block(args.docs, block, "\n".join(body))
