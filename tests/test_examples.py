@@ -241,3 +241,44 @@ def test_example_runs(name, tmp_path):
     assert done.stdout.strip(), f"{name} printed nothing"
     if name in CHECKS:
         CHECKS[name](done, tmp_path)
+
+
+class _Sleeper:
+    """A benchmark contestant whose call lasts ``seconds[torch's thread count]``."""
+
+    def __init__(self, name, seconds):
+        self.name, self.seconds = name, seconds
+
+    def call(self):
+        import time
+
+        import torch
+
+        time.sleep(self.seconds[torch.get_num_threads()])
+
+    def reset(self):
+        pass
+
+
+def test_race_reports_each_contestant_at_its_faster_thread_count(monkeypatch):
+    """NOTE [Torch threads] (examples/bench/_measure.py): a race times each contestant at
+    torch's default thread count and at one, gives its faster median, names who was
+    faster on one, and leaves torch's thread count as it found it."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "bench"))
+    import _measure
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the default under test, whatever this machine's cores
+    try:
+        racers = [_Sleeper("faster on one", {2: 0.010, 1: 0.001}),
+                  _Sleeper("faster on two", {2: 0.001, 1: 0.010})]
+        times, rounds = _measure.race(racers, budget=0.05, min_repeats=3, warmup=0,
+                                      label="sleepers")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert rounds >= 3
+    assert max(times.values()) < 0.005, times  # each at its 1 ms count, not its 10 ms one
+    assert _measure.ONE_THREAD["sleepers"] == ["faster on one"]
