@@ -129,7 +129,8 @@ def race(contestants, *, budget: float, min_repeats: int, warmup: int = 1, label
 
 def one_thread_line() -> str | None:
     """A markdown bullet: per race, the contestants reported at one torch thread."""
-    faster = [f"{label}: {', '.join(names)}" for label, names in ONE_THREAD.items() if names]
+    # Contestants' names hold commas ("pure JAX split, dots"): " / " between them.
+    faster = [f"{label}: {' / '.join(names)}" for label, names in ONE_THREAD.items() if names]
     if len(thread_counts()) < 2:
         return None
     return (f"- torch threads: every contestant timed at {torch.get_num_threads()} and at 1 "
