@@ -9,6 +9,7 @@ from flaxside._adapters import adapter_for as adapter_for
 from flaxside._conventions import internal_assert as internal_assert
 from flaxside._flat import ARRAY as ARRAY
 from flaxside._flat import flat_apply as flat_apply
+from flaxside._given import given_vjp as given_vjp
 from flaxside._higher import batched_function as batched_function
 from flaxside._higher import jvp_function as jvp_function
 from flaxside._higher import linearized_vjp as linearized_vjp
@@ -51,6 +52,7 @@ __all__ = [
     "batched_function",
     "compile_for_report",
     "flat_apply",
+    "given_vjp",
     "init_linen",
     "internal_assert",
     "is_differentiable",

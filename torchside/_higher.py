@@ -47,7 +47,6 @@ from __future__ import annotations
 import weakref
 from typing import NamedTuple
 
-import jax
 import torch
 
 import bridge
@@ -59,70 +58,9 @@ from flaxside.internal import (
     vjp_work,
 )
 from torchside import _errors
-from torchside._call import Caller, function_settings, resolve
-from torchside._owner import CallerOwner
-
-_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> its owners
-
-
-class Derived(CallerOwner):
-    """A ``jax_function``-like owner of one program derived from an entry's (its VJP...).
-
-    Args:
-        settings: the derived function's ``Settings`` (``function_settings``).
-        edges: the edges of the call it derives from, so that it too can be compiled,
-            transformed and differentiated again.
-    """
-
-    def __init__(self, settings, edges):
-        self._caller = Caller(settings, edges, residuals="save", recompile_warning=None)
-        self.batch_axes = None  # set by ``derived``
-
-    def __call__(self, *args):
-        """Calls the derived function with positional pytrees of tensors, like any owner.
-
-        Outside a transform, tensors a finished transform left wrapped (``torch.func.vjp``'s
-        pull runs after its level ended) are unwrapped first, as torch's ``Function.apply``
-        does for its own.
-        """
-        if not torch._C._are_functorch_transforms_active():
-            unwrap = torch._C._functorch.unwrap_if_dead
-            args = jax.tree_util.tree_map(
-                lambda t: unwrap(t) if isinstance(t, torch.Tensor) else t, args)
-        caller = self._caller
-        return caller(resolve([], args, {}, mode=None, where=caller.where))
-
-
-def derived(edges, entry, kind: str, make, key=None) -> Derived:
-    """The entry's owner of one derived function (``kind``: "vjp", "jvp"), made once.
-
-    ``key``: what else the function depends on (the gradients a VJP returns). The owners
-    live as long as the entry (a weak dictionary: nothing outlives its owner).
-    """
-    owners = owners_of(entry)
-    owner = owners.get((kind, key))
-    if owner is None:
-        order = entry.routes["eager"].order + 1
-        fn = make(entry.program)
-        settings = function_settings(f"{entry.program.name} ({kind})", fn, order)
-        owner = owners[kind, key] = Derived(settings, edges)
-        # Per result, the axis its batch lies on, where the function says (per-sample
-        # gradients stacked by a scan: flaxside's per_sample_axes); None: axis 0 or none.
-        owner.batch_axes = getattr(fn, "batch_axes", None)
-    return owner
-
-
-def owners_of(entry) -> dict:
-    """``entry``'s derived owners, by kind (a weak dictionary: they live as long as it)."""
-    owners = _DERIVED.get(entry)
-    if owners is None:
-        owners = _DERIVED[entry] = {}
-    return owners
-
-
-def derived_owners(entry) -> list[Derived]:
-    """The owners derived from ``entry`` so far (for tests and the benchmark)."""
-    return [o for o in _DERIVED.get(entry, {}).values() if isinstance(o, Derived)]
+from torchside._call import Caller
+from torchside._derived import Derived, _executes, derived, owners_of
+from torchside._given import given_backward
 
 
 # -- a backward differentiated again (Edges.differentiate) ------------------------------------
@@ -145,7 +83,10 @@ def differentiate(ctx, entry, route, saved, cots) -> list:
     leaves = holds.every_leaf(entry.layout, saved, ctx.kept, ctx.state)
     # The leaves' nodes (torch lists an edge per tensor argument: the leaves alone).
     nodes = [node for node, _ in ctx.next_functions]
-    return differentiable_backward(ctx.edges, entry, leaves, cots, nodes, ctx)
+    # What the forward saved after its inputs (NOTE [Given residuals] in _given.py).
+    given = (saved[holds.bounds[0]:] if route.programs == "residuals" and route.order == 1
+             and not holds.state and not entry.write_back.targets else None)
+    return differentiable_backward(ctx.edges, entry, leaves, cots, nodes, ctx, given)
 
 
 def _overwritten_state_read(entry) -> str | None:
@@ -158,7 +99,7 @@ def _overwritten_state_read(entry) -> str | None:
 
 
 def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None,
-                            ctx=None) -> list:
+                            ctx=None, given=None) -> list:
     """Per leaf its gradient, as the output of a differentiable call (NOTE above).
 
     Args:
@@ -172,6 +113,8 @@ def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None,
             neither computed nor differentiated later.
         ctx: the autograd context of the eager call whose backward this is: calls with
             one context may share a linearization (NOTE [Shared linearization]).
+        given: what that first-order call saved after its inputs, where the backward may
+            read it instead of rerunning the forward (NOTE [Given residuals]).
     """
     n = len(entry.layout.names)
     if nodes is not None and len(nodes) != n:
@@ -188,6 +131,13 @@ def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None,
              for s in (entry.program.out_specs[k] for k in entry.diff_out_index)]
     cots = [z if c is None else c for c, z in zip(cots, zeros, strict=True)]
     key = None if len(wanted) == len(entry.grad_slots) else wanted
+    grads = None
+    if given is not None and not _outside_eager(leaves):
+        grads = given_backward(edges, entry, key, list(leaves), given, cots, ctx)
+    if grads is not None:
+        for p, g in zip(wanted, grads, strict=True):
+            out[entry.grad_slots[p]] = g
+        return out
     calls = owners_of(entry).get(("vjp calls", key))
     if calls is None:
         calls = owners_of(entry)["vjp calls", key] = VjpCalls(edges, key)
@@ -238,8 +188,7 @@ class VjpCalls:
         self._last = ()  # weak references to the last residuals (for tests)
 
     def __call__(self, entry, leaves: list, cots: list, ctx) -> list:
-        if (ctx is None or torch._C._are_functorch_transforms_active()
-                or not torch.is_grad_enabled() or any(map(_wrapped, leaves))):
+        if ctx is None or _outside_eager(leaves):
             return self._whole_vjp(entry)(leaves, cots)  # (a dead transform's tensors)
         kept = ctx.__dict__.setdefault("linearized", {})  # lives as long as the call's node
         shared = kept.get(self._key)
@@ -296,22 +245,14 @@ def _same(identities: tuple, leaves) -> bool:
     return True
 
 
+def _outside_eager(leaves) -> bool:
+    """Under torch.func, without grad mode, or on a dead transform's tensors."""
+    return (torch._C._are_functorch_transforms_active() or not torch.is_grad_enabled()
+            or any(map(_wrapped, leaves)))
+
+
 def _wrapped(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
-def _executes(node) -> bool:
-    """Whether the running backward executes ``node`` (and so reads the gradient sent to it).
-
-    torch refuses the question for a node ``autograd.grad`` captures its result at (one of
-    its ``inputs``): that gradient is read.
-    """
-    if node is None:
-        return True
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:
-        return True
 
 
 def forward_tangents(edges, entry, leaves: list, tangents: list) -> list:

@@ -31,7 +31,7 @@ import torch
 import bridge
 from flaxside.internal import per_sample_norms_function, per_sample_vjp_function
 from torchside import _errors
-from torchside._higher import derived
+from torchside._derived import derived
 from torchside._module import FlaxModule
 
 

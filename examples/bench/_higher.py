@@ -59,8 +59,9 @@ from _higher_floor import FloorTrunk, Node  # noqa: E402
 from _measure import Contestant, race  # noqa: E402
 from pinn import PINN, Trunk, fast_loss, jax_loss, laplacian, source  # noqa: E402
 
-from torchside import FlaxModule, jax_function  # noqa: E402
-from torchside._higher import VjpCalls, derived_owners  # noqa: E402  (internals)
+from torchside import FlaxModule, _given, jax_function  # noqa: E402  (_given: internals)
+from torchside._derived import derived_owners  # noqa: E402
+from torchside._higher import VjpCalls  # noqa: E402
 
 jtu = jax.tree_util
 
@@ -75,14 +76,21 @@ WHOLE = "bridge, whole VJPs"  # the PINN's bridge with NOTE [Shared linearizatio
 FLOOR_TARGET = 1.1  # bridge <= this x the no-bridge floor
 _KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recompute",
                "value_and_grad")
-_ROLES = ("", "linearize ", "apply ")  # NOTE [Shared linearization]: a VJP's parts
+# A derived program's part: NOTE [Shared linearization]'s split of a VJP, NOTE [Given
+# residuals]' first-order backward on the forward's residuals and their own VJP; by the
+# suffix of the program's name.
+_ROLES = ("", "linearize ", "apply ", "given apply ", "given transpose ")
+_SUFFIX = {"linearize ": "(vjp linearize)", "apply ": "(vjp apply)",
+           "given apply ": "(given apply)", "given transpose ": "(given transpose)"}
 # What each order's programs compute (NOTE [Higher order]), per workload and order.
 COMPUTES = {
     "PENALTY": {
-        1: "the critic's forward; its residuals are never read (the loss reads gx only)",
-        2: "the VJP for gx alone (no weight gradients: the penalty reads none): "
-           "recomputes the critic's forward, then gx; backward: the VJP of the VJP from "
-           "its residuals",
+        1: "the critic's forward; its residuals are what order 2 reads",
+        2: "the VJP for gx alone (no weight gradients: the penalty reads none), from "
+           "order 1's residuals (NOTE [Given residuals]): given apply, the first-order "
+           "backward body on them (no forward), its backward the VJP of that; given "
+           "transpose, the VJP of the residuals in the leaves, the forward's matmuls "
+           "taken out, run once by the step's backward",
     },
     "PINN": {
         1: "the trunk's forward (remat_scan: keeps the carries); backward recomputes "
@@ -187,27 +195,38 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
     pure_c.grads = lambda: [np.asarray(g) for g in jtu.tree_leaves(box["grads"])]
     out.append(pure_c)
 
-    # The floor: the bridge's three programs by hand, the penalty in torch between them.
+    # The floor: the bridge's four programs by hand, the penalty in torch between them:
+    # the forward, then (NOTE [Given residuals]) the first-order backward body on its
+    # residuals z for gx, that body's backward, and the VJP of z in the leaves.
     params = [torch.nn.Parameter(torch.tensor(np.asarray(a))) for a in leaves]
     x_f = torch.tensor(x_np, requires_grad=True)
     n = len(params)
     node = Node(lambda xs: critic.apply({"params": jtu.tree_unflatten(treedef, xs[:n])},
                                          xs[n]))
     first = node.program([*params, x_f], (True,) * (n + 1))
-    vjp_node = node.derived(first, (n,))  # x's gradient alone: what the penalty reads
+    rmap, n_out = first.residual_map(), len(first.out_specs)
+    z_of = lambda out: [out[k] for k in rmap.saved_outputs] + list(out[n_out:])  # noqa: E731
+    z_t = [torch.zeros(s.shape) for s in (*(first.out_specs[k] for k in rmap.saved_outputs),
+                                          *rmap.residual_specs)]
+    apply_node = node.derived(first, (n,), "given apply ")  # x's gradient: what it reads
     ones = torch.ones(batch, 1)
-    second = vjp_node.program([*params, x_f, ones], (True,) * (n + 1) + (False,))
+    second = apply_node.program([*params, x_f, *z_t, ones],
+                                (True,) * (n + 1 + len(z_t)) + (False,))
+    transpose_node = node.derived(first, None, "given transpose ")
+    third = transpose_node.program([*params, x_f, *z_t, *z_t], (False,) * (n + 1 + 2 * len(z_t)))
 
     def floor():
         arrays = [*map(node.to_jax, params), node.to_jax(x_f)]
-        node.run(first, "forward_with_residuals", arrays)  # y; the bridge runs it too
-        arrays.append(node.to_jax(torch.ones(batch, 1)))  # y.sum()'s cotangent
-        res = vjp_node.run(second, "forward_with_residuals", arrays)
+        z = z_of(node.run(first, "forward_with_residuals", arrays))  # y and z
+        args = [*arrays, *z, node.to_jax(torch.ones(batch, 1))]  # y.sum()'s cotangent
+        res = apply_node.run(second, "forward_with_residuals", args)
         gx = node.to_torch(res[0]).requires_grad_()
         ((gx.norm(dim=1) - 1) ** 2).mean().backward()
-        grads = vjp_node.backward(second, arrays, res, [node.to_jax(gx.grad)])
-        for p, g in zip([*params, x_f], grads, strict=True):
-            p.grad = g
+        grads = apply_node.backward(second, args, res, [node.to_jax(gx.grad)])
+        z_cots = [node.to_jax(g) for g in grads[n + 1:]]
+        more = transpose_node.run(third, "forward", [*arrays, *z, *z_cots])
+        for p, g, h in zip([*params, x_f], grads, more, strict=False):
+            p.grad = g + node.to_torch(h)
 
     out.append(_Contestant("no bridge", floor, params, [x_f]))
     out[-1].node = node
@@ -288,11 +307,11 @@ def pinn_contestants(points, width, lengths) -> tuple[list, dict]:
 
     def whole_step():
         share = VjpCalls.SHARE_AFTER
-        VjpCalls.SHARE_AFTER = math.inf
+        VjpCalls.SHARE_AFTER, _given.ENABLED[0] = math.inf, False  # (remat: not given)
         try:
             _torch_pinn(whole, xy_w)
         finally:
-            VjpCalls.SHARE_AFTER = share
+            VjpCalls.SHARE_AFTER, _given.ENABLED[0] = share, True
 
     out.append(_Contestant(WHOLE, whole_step, list(whole.parameters()), [xy_w]))
     return out, dict(module=bridge.trunk, step=out[0].call, exclude=out[0].params)
@@ -310,7 +329,7 @@ def bridge_programs(module) -> Counter:
     def walk(caller, order):
         for entry in caller.entries:
             name = entry.program.name
-            role = next((r for r in _ROLES[1:] if name.endswith(f"(vjp {r.strip()})")), "")
+            role = next((r for r in _ROLES[1:] if name.endswith(_SUFFIX[r])), "")
             for kind in entry._executables:
                 found[order, role + kind] += 1
             for derived in derived_owners(entry):

@@ -23,6 +23,7 @@ from flaxside.internal import (
     LeafSpec,
     Program,
     WriteBack,
+    given_vjp,
     linearized_vjp,
     unpack,
     vjp_function,
@@ -92,13 +93,20 @@ class Node:
     def derived(self, program: Program, wanted: tuple | None, role: str = "") -> Node:
         """The node of ``vjp_function(program, wanted)``: ``f(leaves + cotangents)``; with
         ``role`` "linearize " or "apply ", of that part of ``linearized_vjp``'s split:
-        ``linearize(leaves)``, ``apply(leaves + residuals + cotangents)``."""
+        ``linearize(leaves)``, ``apply(leaves + residuals + cotangents)``; with "given
+        apply " or "given transpose ", of that part of ``given_vjp`` (NOTE [Given
+        residuals]): ``f(leaves + z + cotangents)``, ``f(leaves + z + cotangents of z)``."""
         node = self._derived.get((program, wanted, role))
         if node is None:
             n, k = len(program.specs), len(program.diff_out_index)
             if not role:
                 vjp = vjp_function(program, wanted)
                 fn = lambda xs: vjp(xs[:n], xs[n:])  # noqa: E731
+            elif role.startswith("given"):
+                rmap = program.residual_map()
+                nz = len(rmap.saved_outputs) + len(rmap.residual_specs)
+                part = given_vjp(program, wanted)[role == "given transpose "]
+                fn = lambda xs: part(xs[:n], xs[n:n + nz], xs[n + nz:])  # noqa: E731
             else:
                 parts = self._shares[program, wanted].parts
                 fn = parts[0] if role == "linearize " else (
@@ -144,6 +152,7 @@ class Node:
         for program in self._programs.values():
             out[self.order, self.role + "forward_with_residuals"] = len(
                 program.out_specs) + len(program.residual_map().residual_specs)
+            out[self.order, self.role + "forward"] = len(program.out_specs)
             out[self.order, self.role + "backward"] = len(program.grad_specs)
             for (p, *_), node in self._derived.items():
                 if p is program:

@@ -266,9 +266,9 @@ def print_targets(results: dict, extra: list | None = None) -> str:
 
 
 _KINDS = {f"{role}{kind}": f"{role.strip()}: {what}" if role else what
-          for role in ("", "linearize ", "apply ")
+          for role in ("", "linearize ", "apply ", "given apply ", "given transpose ")
           for kind, what in (("forward_with_residuals", "forward with residuals"),
-                             ("backward", "backward"))}
+                             ("forward", "forward"), ("backward", "backward"))}
 
 
 def ratio_targets(row: dict, limits, agreement: tuple[str, str]) -> list[list[str]]:

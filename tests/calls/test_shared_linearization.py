@@ -19,10 +19,18 @@ import pytest
 import torch
 from flax import nnx
 
-from flaxside.internal import LeafSpec, Program, linearized_vjp, vjp_function, vjp_work
+from flaxside.internal import (
+    LeafSpec,
+    Program,
+    given_vjp,
+    linearized_vjp,
+    vjp_function,
+    vjp_work,
+)
 from tests.calls.test_higher_order import OWNERS, TanhLayer, _apply, _close, _linen
 from tests.support import pipeline
 from tests.support.references import to_jax
+from torchside import _given
 from torchside._higher import VjpCalls
 
 
@@ -77,6 +85,10 @@ def _nnx_tanh(residuals):
 PINN_OWNERS = {**OWNERS, "remat_scan": _trunk, "nnx": _nnx_tanh}
 
 
+# The owners whose first-order residuals give the VJP without the forward (no remat).
+GIVEN = ("linen", "nnx")
+
+
 @pytest.mark.parametrize("owner", list(PINN_OWNERS))
 def test_a_pinn_trained_over_steps_equals_pure_jax_and_shares_the_linearization(
         owner, monkeypatch):
@@ -99,12 +111,19 @@ def test_a_pinn_trained_over_steps_equals_pure_jax_and_shares_the_linearization(
         for name, p, want in zip(names, params, want_p, strict=True):
             _close(torch.zeros_like(p) if p.grad is None else p.grad, want,
                    f"step {step}: {name}.grad")
-        base = pipeline.entries(m)[0].program.name
+        program = pipeline.entries(m)[0].program
+        base = program.name
         # The block's VJP is called once for the first derivative and once per dimension.
         whole = runs[f"{base} (vjp)", "forward_with_residuals"]
         linearize = runs[f"{base} (vjp linearize)", "forward_with_residuals"]
         apply = runs[f"{base} (vjp apply)", "forward_with_residuals"]
-        if step == 0 or owner == "remat_stack":  # the first step takes the whole VJP,
+        # NOTE [Given residuals]: where the forward's residuals give the VJP without the
+        # forward (no remat), every call is an apply of them, from the first step on.
+        given = runs[f"{base} (given apply)", "forward_with_residuals"]
+        assert (given_vjp(program) is not None) == (owner in GIVEN), owner
+        if owner in GIVEN:
+            assert (whole, linearize, apply, given) == (0, 0, 0, 4)
+        elif step == 0 or owner == "remat_stack":  # the first step takes the whole VJP,
             # and counts its calls; remat_stack's is a custom_vjp: never split
             assert (whole, linearize, apply) == (4, 0, 0)
         else:  # one leaf set (this step's parameters): linearized once, applied per call
@@ -119,6 +138,9 @@ def test_residuals_are_not_shared_with_leaves_changed_since(monkeypatch, change)
     memory) between two calls, while the first call's graph still lives: the second call
     linearizes again, and equals pure JAX at the new values."""
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)  # every leaf set split
+    # The split on a plain block, whose residuals would give its VJP without the
+    # forward (NOTE [Given residuals]): that route off here.
+    monkeypatch.setattr(_given, "ENABLED", [False])
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
@@ -145,6 +167,9 @@ def test_residuals_are_not_shared_with_leaves_changed_since(monkeypatch, change)
 
 def test_the_residuals_live_no_longer_than_the_graph(monkeypatch):
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
+    # The split on a plain block, whose residuals would give its VJP without the
+    # forward (NOTE [Given residuals]): that route off here.
+    monkeypatch.setattr(_given, "ENABLED", [False])
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
@@ -258,6 +283,9 @@ def test_a_step_after_data_written_in_place_is_not_served_the_last_steps_residua
     residuals: the next step's calls are another call's derivatives and share nothing
     with them, so its gradients are pure JAX's at the new values."""
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
+    # The split on a plain block, whose residuals would give its VJP without the
+    # forward (NOTE [Given residuals]): that route off here.
+    monkeypatch.setattr(_given, "ENABLED", [False])
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
@@ -300,6 +328,9 @@ def test_a_custom_vjp_not_linear_in_its_cotangent_is_never_split(monkeypatch):
     from torchside import FlaxModule
 
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
+    # The split on a plain block, whose residuals would give its VJP without the
+    # forward (NOTE [Given residuals]): that route off here.
+    monkeypatch.setattr(_given, "ENABLED", [False])
     torch.manual_seed(0)
     m = FlaxModule(Clipped(), example_args=(torch.zeros(4, 3),))
     x = torch.randn(4, 3, requires_grad=True)

@@ -91,7 +91,7 @@ def variables_from(module, values: list):
 def derived_programs(owner) -> list:
     """The programs of the calls derived from the owner's (NOTE [Higher order]: a
     backward differentiated again, torch.func's vmap), in entry order."""
-    from torchside._higher import derived_owners
+    from torchside._derived import derived_owners
 
     return [e.program for entry in entries(owner) for derived in derived_owners(entry)
             for e in entries(derived)]
@@ -119,7 +119,8 @@ def program_runs():
 def shared_residuals(owner) -> list:
     """The residual tensors still alive that the owner's VJP calls may share
     (NOTE [Shared linearization] in ``torchside/_higher.py``)."""
-    from torchside._higher import VjpCalls, owners_of
+    from torchside._derived import owners_of
+    from torchside._higher import VjpCalls
 
     out = []
     for entry in entries(owner):

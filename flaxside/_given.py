@@ -1,0 +1,154 @@
+"""A first-order call's VJP from what its forward saved, as functions one can differentiate.
+
+NOTE [Given residuals]. The first order's forward returns, besides the results, what its
+backward reads: some results (``saved_outputs``) and the residual buffers, together
+``z``. Both are functions of the leaves, ``z = Z(leaves)``, computed already. A derivative
+of the backward (``create_graph``) used to call the VJP as a whole (``vjp_function``),
+which reruns the forward. Here it is two functions of ``z`` instead:
+
+* ``apply(leaves, z, cotangents) -> gradients``: the first order's own backward body, its
+  VJP rebuilt from ``z`` (no forward at all);
+* ``transpose(leaves, z, cotangents of z) -> gradients``: the VJP of ``Z`` itself, traced
+  once as ``jax.vjp`` of ``Z`` with the operations that produce ``z`` taken out (``z`` is
+  given) and what is then dead removed: for a plain MLP the forward's matmuls go, and what
+  is left is elementwise work on ``z`` and the transposed products.
+
+``apply(leaves, Z(leaves), c)`` is the VJP, so torch differentiates it through ``z`` into
+``transpose``. Only where that removes the forward is it worth a call more: ``given_vjp``
+returns ``None`` where an operation producing part of ``z`` produces something else the
+VJP reads (a ``scan`` whose residuals ``z`` holds only the carries of: ``remat`` reruns
+each layer anyway), and for what it does not handle (typed keys, offloaded residuals, a
+mesh, complex leaves).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxside._bodies import replaced
+from flaxside._on_device import OnDevice
+from flaxside._pack import unpack
+from flaxside._program import Program
+from flaxside._specs import is_differentiable
+from flaxside._vjp_leaves import label_leaves
+
+jtu = jax.tree_util
+
+
+def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
+    """``(apply, transpose)`` (NOTE [Given residuals]), or ``None`` where it does not apply.
+
+    ``wanted``: positions in ``diff_index`` whose gradients both return, in that order
+    (``None``: all), as ``vjp_function`` takes them.
+    """
+    rmap = program.residual_map()
+    if (type(program.placement) is not OnDevice or any(i is not None for i in rmap.key_impls)
+            or any(rmap.offloaded) or not all(map(is_differentiable, _z_dtypes(program, rmap)))
+            or any(jnp.issubdtype(program.specs[i].dtype, jnp.complexfloating)
+                   for i in program.diff_index)):
+        return None
+    wanted = tuple(range(len(program.diff_index))) if wanted is None else tuple(wanted)
+    n_saved = len(rmap.saved_outputs)
+
+    def z_of(leaves) -> list:
+        """``Z``: the saved results, then the residuals unpacked, as the forward made them."""
+        results, vjp = program._vjp(list(leaves))
+        known = {id(x): ("in", j) for j, x in enumerate(leaves)}
+        for k, x in enumerate(results):
+            known.setdefault(id(x), ("out", k))
+        labels, residuals = label_leaves(jtu.tree_leaves(vjp), known)
+        saved = {"in": {}, "out": {}}  # as the forward numbers them (``_forward_res_body``)
+        sources = tuple((kind, i) if kind == "res" else
+                        (kind, saved[kind].setdefault(i, len(saved[kind])))
+                        for kind, i in labels)
+        if sources != rmap.sources:  # another trace would disagree with the compiled one
+            raise AssertionError(f"{program.name}: the VJP's leaves differ between two "
+                                 f"traces: {sources} and {rmap.sources}")
+        return [results[k] for k in rmap.saved_outputs] + residuals
+
+    def unpacked(z) -> list:
+        return list(z[:n_saved]) + unpack(list(z[n_saved:]), rmap.pack)
+
+    def apply(leaves, z, cotangents):
+        z = unpacked(z)
+        pools = {"in": [leaves[j] for j in rmap.saved_inputs], "out": z[:n_saved],
+                 "res": z[n_saved:]}
+        vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
+        grads = program._pull(vjp, list(cotangents))
+        return [grads[p] for p in wanted]
+
+    index = tuple(program.diff_index[p] for p in wanted)
+    avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in program.specs]
+
+    def traced(leaves, z_cotangents):
+        def z_only(*diff):
+            return z_of(replaced(leaves, index, diff))
+
+        z, pull = jax.vjp(z_only, *[leaves[i] for i in index])
+        return [*z, *pull(list(z_cotangents))]
+
+    z_shapes = jax.eval_shape(z_of, avals)
+    closed = jax.make_jaxpr(traced)(avals, z_shapes)
+    jaxpr, n_z = closed.jaxpr, len(z_shapes)
+    given_vars = jaxpr.outvars[:n_z]
+    if not all(map(_is_var, given_vars)) or len(set(given_vars)) != n_z:
+        return None  # a constant, or one value twice: nothing the forward made alone
+    given = set(given_vars)
+    for eqn in jaxpr.eqns:  # the forward goes only where z's producers make nothing else
+        made = [v for v in eqn.outvars if not _dropped(v)]
+        if any(v in given for v in made) and not all(v in given for v in made):
+            return None
+    live = _live_eqns(jaxpr, jaxpr.outvars[n_z:], given)
+
+    def transpose(leaves, z, z_cotangents):
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, [*leaves, *unpacked(z_cotangents)], strict=True))
+        env.update(zip(given_vars, unpacked(z), strict=True))
+        return _evaluate(live, env, jaxpr.outvars[n_z:])
+
+    return apply, transpose
+
+
+def _z_dtypes(program: Program, rmap) -> list:
+    return ([program.out_specs[k].dtype for k in rmap.saved_outputs]
+            + [s.dtype for s in rmap.residual_specs])
+
+
+def _is_var(v) -> bool:
+    return not isinstance(v, jax.extend.core.Literal)
+
+
+def _dropped(v) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def _live_eqns(jaxpr, outvars, given: set) -> list:
+    """The equations ``outvars`` need, ``given`` variables known: in order, dead ones out."""
+    needed = {v for v in outvars if _is_var(v)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        made = [v for v in eqn.outvars if not _dropped(v)]
+        if eqn.effects or any(v in needed and v not in given for v in made):
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if _is_var(v))
+    return live[::-1]
+
+
+def _evaluate(eqns, env: dict, outvars) -> list:
+    """``eqns`` bound on the values in ``env`` (as ``jax.core.eval_jaxpr`` does)."""
+    def read(v):
+        return v.val if not _is_var(v) else env[v]
+
+    for eqn in eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        # jax 0.10 returns the parameters (sub-functions among them), older JAX
+        # ``(sub-functions, parameters)``.
+        subfuns, params = params if isinstance(params, tuple) else ((), params)
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+        out = out if eqn.primitive.multiple_results else [out]
+        for v, x in zip(eqn.outvars, out, strict=True):
+            if not _dropped(v) and v not in env:
+                env[v] = x
+    return [read(v) for v in outvars]

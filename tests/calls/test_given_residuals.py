@@ -1,0 +1,139 @@
+"""A first-order backward differentiated again reads what the forward saved.
+
+NOTE [Given residuals] in ``torchside/_given.py`` and ``flaxside/_given.py``: where the
+first order's residuals give its VJP without rerunning the forward (no remat), a
+derivative of the backward is a call of the first order's backward body on them, and
+their own VJP in the leaves, with the forward's operations taken out. Each result is
+compared with pure JAX on the same values, with random cotangents and weights; the
+program runs show that no VJP reruns the forward.
+"""
+
+import gc
+import weakref
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from flaxside.internal import given_vjp, vjp_function
+from tests.calls.test_higher_order import _apply, _close
+from tests.support import pipeline
+from tests.support.references import to_jax
+from torchside import FlaxModule
+
+
+class Critic(nn.Module):
+    """A WGAN critic: tanh layers, no remat."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = jnp.tanh(nn.Dense(16)(x))
+        return nn.Dense(1)(x)
+
+
+def _critic():
+    return FlaxModule(Critic(), example_args=(torch.zeros(8, 5),))
+
+
+@pytest.mark.parametrize("wanted", ["input", "input and weights"])
+def test_a_gradient_penalty_equals_pure_jax_and_reruns_no_forward(wanted):
+    """WGAN-GP: the input's gradient, a weighted penalty on its norms, every gradient of
+    that; the second order runs the first order's backward body once and the VJP of its
+    residuals once, never the VJP with the forward inside."""
+    torch.manual_seed(0)
+    m = _critic()
+    params = list(m.parameters())
+    names, f = _apply(m)
+    x = torch.randn(8, 5, requires_grad=True)
+    ct, w = torch.randn(8, 1), torch.rand(8)
+    inputs = [x] if wanted == "input" else [x, *params]
+
+    def jax_loss(values, x):
+        _, pull = jax.vjp(lambda v, x: f(v, x), values, x)
+        gv, gx = pull(to_jax(ct))
+        g = jnp.concatenate([gx.ravel()] if wanted == "input" else
+                            [gx.ravel(), *(a.ravel() for a in gv)])
+        return jnp.sum(to_jax(w).mean() * (jnp.linalg.norm(g) - 1) ** 2) + jnp.sum(
+            to_jax(w)[:, None] * gx ** 2)
+
+    with pipeline.program_runs() as runs:
+        grads = torch.autograd.grad(m(x), inputs, ct, create_graph=True)
+        gx = grads[0]
+        g = torch.cat([t.reshape(-1) for t in grads])
+        loss = (w.mean() * (g.norm() - 1) ** 2).sum() + (w[:, None] * gx**2).sum()
+        loss.backward()
+    want_p, want_x = jax.grad(jax_loss, argnums=(0, 1))(
+        [to_jax(p) for p in params], to_jax(x))
+    _close(x.grad, want_x, "x.grad")
+    for name, p, want in zip(names, params, want_p, strict=True):
+        _close(p.grad, want, f"{name}.grad")
+    base = pipeline.entries(m)[0].program.name
+    assert runs[f"{base} (vjp)", "forward_with_residuals"] == 0  # no forward rerun
+    assert runs[f"{base} (given apply)", "forward_with_residuals"] == 1
+    assert runs[f"{base} (given transpose)", "forward"] == 1  # its backward, run once
+
+
+def test_the_given_vjp_holds_none_of_the_forward():
+    """``apply`` is the VJP on the saved residuals, and neither it nor ``transpose``
+    computes the forward's nonlinearity (the forward's matmuls go with it)."""
+    m = _critic()
+    x = torch.randn(8, 5, requires_grad=True)
+    m(x).sum().backward()
+    program = pipeline.entries(m)[0].program
+    apply, transpose = given_vjp(program)
+    rng = np.random.default_rng(0)
+    leaves = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in program.specs]
+    out = program.forward_with_residuals(leaves)
+    n = len(program.out_specs)
+    rmap = program.residual_map()
+    z = [out[k] for k in rmap.saved_outputs] + list(out[n:])
+    cts = [jnp.asarray(rng.standard_normal(program.out_specs[k].shape), jnp.float32)
+           for k in program.diff_out_index]
+    got = jax.jit(apply)(leaves, z, cts)
+    want = jax.jit(vjp_function(program))(leaves, cts)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+    z_cts = [jnp.asarray(rng.standard_normal(t.shape), t.dtype) for t in z]
+
+    def primitives(fn, *args):
+        return [e.primitive.name for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+
+    whole = primitives(vjp_function(program), leaves, cts)
+    assert "tanh" in whole  # the whole VJP reruns the forward
+    assert "tanh" not in primitives(apply, leaves, z, cts)
+    for_z = primitives(transpose, leaves, z, z_cts)
+    assert "tanh" not in for_z
+    # Two products per dense layer whose output z holds (its weight's, its input's): the
+    # transposed ones; the forward's would make a third.
+    assert for_z.count("dot_general") == 2 * 3, for_z
+
+
+def test_remat_keeps_the_whole_vjp():
+    """Under remat the residuals are the carries, and their VJP reruns each layer: the
+    route says so, and the bridge keeps the whole VJP (or the shared linearization)."""
+    from tests.calls.test_shared_linearization import _trunk
+
+    m = _trunk("save")
+    x = torch.randn(4, 3, requires_grad=True)
+    m(x).sum().backward()
+    assert given_vjp(pipeline.entries(m)[0].program) is None
+
+
+def test_the_given_residuals_live_no_longer_than_the_graph():
+    """The node of the residuals is kept on the call's autograd context: a step's
+    derivatives share it, and it goes with the step's graph."""
+    m = _critic()
+    x = torch.randn(8, 5, requires_grad=True)
+    y = m(x)
+    (g1,) = torch.autograd.grad(y, x, torch.randn(8, 1), create_graph=True)
+    (g2,) = torch.autograd.grad(y, x, torch.randn(8, 1), create_graph=True)
+    given = y.grad_fn.__dict__["given"]  # the call's context (torch's Function node)
+    refs = [weakref.ref(t) for t in given]
+    assert refs and g1.grad_fn is not None and g2.grad_fn is not None
+    del y, g1, g2, given
+    gc.collect()
+    assert all(r() is None for r in refs)

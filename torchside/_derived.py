@@ -1,0 +1,94 @@
+"""Owners of programs derived from an entry's (its VJP, its JVP...), made once per entry.
+
+A ``Derived`` owner is a ``jax_function``-like owner of one JAX function derived from an
+entry's program; its calls go through a ``Caller`` of their own, with the edges of the
+call it derives from, so they too can be compiled, transformed and differentiated again
+(NOTE [Higher order] in ``_higher.py``). The owners of an entry live in a weak dictionary
+keyed by the entry: nothing outlives its owner.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import torch
+
+from torchside._call import Caller, function_settings, resolve
+from torchside._owner import CallerOwner
+
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> its owners
+
+
+class Derived(CallerOwner):
+    """A ``jax_function``-like owner of one program derived from an entry's (its VJP...).
+
+    Args:
+        settings: the derived function's ``Settings`` (``function_settings``).
+        edges: the edges of the call it derives from, so that it too can be compiled,
+            transformed and differentiated again.
+    """
+
+    def __init__(self, settings, edges):
+        self._caller = Caller(settings, edges, residuals="save", recompile_warning=None)
+        self.batch_axes = None  # set by ``derived``
+
+    def __call__(self, *args):
+        """Calls the derived function with positional pytrees of tensors, like any owner.
+
+        Outside a transform, tensors a finished transform left wrapped (``torch.func.vjp``'s
+        pull runs after its level ended) are unwrapped first, as torch's ``Function.apply``
+        does for its own.
+        """
+        if not torch._C._are_functorch_transforms_active():
+            unwrap = torch._C._functorch.unwrap_if_dead
+            args = jax.tree_util.tree_map(
+                lambda t: unwrap(t) if isinstance(t, torch.Tensor) else t, args)
+        caller = self._caller
+        return caller(resolve([], args, {}, mode=None, where=caller.where))
+
+
+def derived(edges, entry, kind: str, make, key=None) -> Derived:
+    """The entry's owner of one derived function (``kind``: "vjp", "jvp"), made once.
+
+    ``key``: what else the function depends on (the gradients a VJP returns). The owners
+    live as long as the entry (a weak dictionary: nothing outlives its owner).
+    """
+    owners = owners_of(entry)
+    owner = owners.get((kind, key))
+    if owner is None:
+        order = entry.routes["eager"].order + 1
+        fn = make(entry.program)
+        settings = function_settings(f"{entry.program.name} ({kind})", fn, order)
+        owner = owners[kind, key] = Derived(settings, edges)
+        # Per result, the axis its batch lies on, where the function says (per-sample
+        # gradients stacked by a scan: flaxside's per_sample_axes); None: axis 0 or none.
+        owner.batch_axes = getattr(fn, "batch_axes", None)
+    return owner
+
+
+def owners_of(entry) -> dict:
+    """``entry``'s derived owners, by kind (a weak dictionary: they live as long as it)."""
+    owners = _DERIVED.get(entry)
+    if owners is None:
+        owners = _DERIVED[entry] = {}
+    return owners
+
+
+def derived_owners(entry) -> list[Derived]:
+    """The owners derived from ``entry`` so far (for tests and the benchmark)."""
+    return [o for o in _DERIVED.get(entry, {}).values() if isinstance(o, Derived)]
+
+
+def _executes(node) -> bool:
+    """Whether the running backward executes ``node`` (and so reads the gradient sent to it).
+
+    torch refuses the question for a node ``autograd.grad`` captures its result at (one of
+    its ``inputs``): that gradient is read.
+    """
+    if node is None:
+        return True
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
