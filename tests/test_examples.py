@@ -135,7 +135,7 @@ def _check_benchmark(done, out) -> None:
             "bridge", "pure JAX", "no bridge", "torch", "fast path"}, r["times"]
         # The floor runs only programs the bridge compiled too, by order and kind.
         assert all(p["compiled"] >= 1 for p in r["programs"] if p["runs"]), r
-    assert "bridge, whole VJPs" in higher["PINN"]["times"]
+    assert all("bridge, whole VJPs" in r["times"] for r in higher.values())
     assert max(p["order"] for p in higher["PINN"]["programs"]) == 3
     # NOTE [Shared linearization]: at the smoke size the PINN's VJPs are far below the work
     # a split pays for (``VjpCalls.SPLIT_MIN_WORK``): whole, 3 calls a step at order 2.

@@ -72,7 +72,9 @@ SHAPES = {
     "smoke": dict(penalty=(8, 4, 16, 2), pinn=(16, 8, (2, 2))),
 }
 TARGETS = {"PENALTY": 1.5, "PINN": 2.0}  # bridge <= this x pure JAX (CPU)
-WHOLE = "bridge, whole VJPs"  # the PINN's bridge with NOTE [Shared linearization] off
+# The bridge with every VJP whole: NOTE [Shared linearization] and NOTE [Given residuals]
+# off, what they save measured side by side.
+WHOLE = "bridge, whole VJPs"
 FLOOR_TARGET = 1.1  # bridge <= this x the no-bridge floor
 _KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recompute",
                "value_and_grad")
@@ -183,6 +185,15 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
     x_b = torch.tensor(x_np, requires_grad=True)
     out.append(_Contestant("bridge", lambda: _torch_penalty(module, x_b),
                            list(module.parameters()), [x_b]))
+    whole = FlaxModule(critic, variables=variables)
+    x_w = torch.tensor(x_np, requires_grad=True)
+
+    def whole_step():
+        _given.ENABLED[0] = False
+        try:
+            _torch_penalty(whole, x_w)
+        finally:
+            _given.ENABLED[0] = True
 
     step = jax.jit(jax.grad(lambda p, x: _penalty_loss(critic.apply, p, x)))
     args = jax.device_put((variables["params"], x_np))
@@ -243,6 +254,7 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
     out.append(_Contestant("fast path",
                            lambda: penalty(fast.flax_variable_tensors(), x_j).backward(),
                            list(fast.parameters())))
+    out.append(_Contestant(WHOLE, whole_step, list(whole.parameters()), [x_w]))
     return out, dict(module=module, step=out[0].call, exclude=out[0].params)
 
 

@@ -318,7 +318,8 @@ def print_higher(rows: list[dict]) -> tuple[list[list[str]], str]:
                 + "; the bridge's second call {} ({})".format(*map(fmt_time, r["second_call"])))
         if WHOLE in r["times"]:
             t = r["times"]
-            line += (f"; {WHOLE} (no linearization shared) {fmt_time(t[WHOLE])}, "
+            line += (f"; {WHOLE} (no linearization shared, no residuals given) "
+                     f"{fmt_time(t[WHOLE])}, "
                      f"the bridge {t['bridge'] / t[WHOLE]:.2f}x of it")
         print(f"  {line}")
         md.append(f"- {line}")
