@@ -14,11 +14,13 @@ which reruns the forward. Here it is two functions of ``z`` instead:
   is left is elementwise work on ``z`` and the transposed products.
 
 ``apply(leaves, Z(leaves), c)`` is the VJP, so torch differentiates it through ``z`` into
-``transpose``. Only where that removes the forward is it worth a call more: ``given_vjp``
-returns ``None`` where an operation producing part of ``z`` produces something else the
-VJP reads (a ``scan`` whose residuals ``z`` holds only the carries of: ``remat`` reruns
-each layer anyway), and for what it does not handle (typed keys, offloaded residuals, a
-mesh, complex leaves).
+``transpose``. ``given_vjp`` returns ``None`` where an operation producing part of ``z``
+produces something else the VJP reads (a ``scan`` whose residuals ``z`` holds only the
+carries of: ``remat`` reruns each layer anyway), and for what it does not handle (typed
+keys, offloaded residuals, a mesh, complex leaves or residuals). What ``transpose`` still
+computes of the forward depends on the functions: ``tanh``'s derivative is a function of
+its output, which ``z`` holds, so nothing of the forward is left; ``sin``'s is a function
+of its input, whose matmul ``transpose`` then computes again (speed, not results).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from flaxside._bodies import replaced
 from flaxside._on_device import OnDevice
 from flaxside._pack import unpack
 from flaxside._program import Program
-from flaxside._specs import is_differentiable
 from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
@@ -44,7 +45,8 @@ def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
     """
     rmap = program.residual_map()
     if (type(program.placement) is not OnDevice or any(i is not None for i in rmap.key_impls)
-            or any(rmap.offloaded) or not all(map(is_differentiable, _z_dtypes(program, rmap)))
+            or any(rmap.offloaded)
+            or not all(jnp.issubdtype(d, jnp.floating) for d in _z_dtypes(program, rmap))
             or any(jnp.issubdtype(program.specs[i].dtype, jnp.complexfloating)
                    for i in program.diff_index)):
         return None

@@ -49,18 +49,37 @@ def given_backward(edges, entry, key, leaves: list, z, cots: list, ctx) -> list 
     ``z``: what the eager call saved after its inputs (saved results, residual buffers);
     ``ctx``: that call's autograd context, which keeps the ``GivenResiduals`` outputs.
     """
-    parts = _parts(entry, key) if ENABLED[0] else None
+    # The node's backward takes every gradient where a subset's parts would not apply.
+    parts = _parts(entry, key) if ENABLED[0] and _parts(entry, None) is not None else None
     if parts is None:
         return None
     if z:
         outputs = ctx.__dict__.get("given")
-        if outputs is None:
+        if outputs is None or not _alive(outputs):
+            # Detached: a saved result torch hands back has this call's node as its
+            # grad_fn, which the bundle would keep alive through the node it makes.
             outputs = ctx.__dict__["given"] = GivenResiduals.apply(
-                _Bundle(entry, edges, tuple(z)), *leaves)
+                _Bundle(entry, edges, tuple(t.detach() for t in z)), *leaves)
     else:
         outputs = ()
     apply = derived(edges, entry, "given apply", lambda _: parts[0], key)
     return apply(list(leaves), list(outputs), list(cots))
+
+
+def _alive(outputs) -> bool:
+    """Whether the node that made ``outputs`` still has what its backward reads.
+
+    A backward through it without ``retain_graph`` frees that: the next derivative makes
+    another. Outputs that need no gradient have no node to free.
+    """
+    node = outputs[0].grad_fn if outputs else None
+    if node is None:
+        return True
+    try:
+        node.saved_tensors  # noqa: B018  (raises once torch freed them)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _parts(entry, key):

@@ -44,6 +44,7 @@ The first-order files never import this one: the owner hands its ``Caller`` the
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import NamedTuple
 
@@ -61,7 +62,7 @@ from flaxside.internal import (
 from torchside import _errors
 from torchside._call import Caller
 from torchside._derived import Derived, _executes, derived, owners_of
-from torchside._given import given_backward
+from torchside._given import _alive, given_backward
 
 
 # -- a backward differentiated again (Edges.differentiate) ------------------------------------
@@ -181,7 +182,7 @@ class VjpCalls:
     # On jax 0.8.1 a PINN's third step fails in a split order-3 call ("compiled for 8
     # inputs but called with 7"); 0.10.2 passes the same tests. The split, a speed-up
     # only, runs where it was tested.
-    SPLIT_SAFE = tuple(int(p) for p in jax.__version__.split(".")[:3]) >= (0, 10, 2)
+    SPLIT_SAFE = tuple(map(int, re.findall(r"\d+", jax.__version__)[:3])) >= (0, 10, 2)
 
     def __init__(self, edges, key):
         # Not the entry: this lives in the entry's value of a weak dictionary.
@@ -204,7 +205,8 @@ class VjpCalls:
         else:
             self._calls += 1
             computed = shared[0]  # (the leaves' identities, the residuals), set at once
-            if computed is not None and _same(computed[0], leaves):
+            if (computed is not None and _same(computed[0], leaves)
+                    and _alive(computed[1])):  # (a backward through them frees them)
                 return self._apply(leaves, computed[1], cots)
         if not self._split:
             return self._whole_vjp(entry)(leaves, cots)

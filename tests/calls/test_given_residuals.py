@@ -123,17 +123,116 @@ def test_remat_keeps_the_whole_vjp():
     assert given_vjp(pipeline.entries(m)[0].program) is None
 
 
+class TanhOut(nn.Module):
+    """A block whose backward reads its own output (``saved_outputs``: the last tanh)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(3)(jnp.tanh(nn.Dense(4)(x))))
+
+
 def test_the_given_residuals_live_no_longer_than_the_graph():
     """The node of the residuals is kept on the call's autograd context: a step's
-    derivatives share it, and it goes with the step's graph."""
-    m = _critic()
-    x = torch.randn(8, 5, requires_grad=True)
+    derivatives share it, and it goes with the step's graph, also where the residuals
+    hold the call's own output (whose node a bundle of them must not keep alive)."""
+    m = FlaxModule(TanhOut(), example_args=(torch.zeros(2, 3),))
+    x = torch.randn(2, 3, requires_grad=True)
     y = m(x)
-    (g1,) = torch.autograd.grad(y, x, torch.randn(8, 1), create_graph=True)
-    (g2,) = torch.autograd.grad(y, x, torch.randn(8, 1), create_graph=True)
+    assert pipeline.entries(m)[0].program.residual_map().saved_outputs == (0,)
+    (g1,) = torch.autograd.grad(y, x, torch.randn(2, 3), create_graph=True)
+    (g2,) = torch.autograd.grad(y, x, torch.randn(2, 3), create_graph=True)
+    (g1**2).sum().backward()
     given = y.grad_fn.__dict__["given"]  # the call's context (torch's Function node)
-    refs = [weakref.ref(t) for t in given]
-    assert refs and g1.grad_fn is not None and g2.grad_fn is not None
+    refs = [weakref.ref(t) for t in given] + [weakref.ref(y.grad_fn)]
+    assert g2.grad_fn is not None
     del y, g1, g2, given
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("route", ["given", "split"])
+def test_a_call_differentiated_again_after_a_backward_through_its_derivative(
+        route, monkeypatch):
+    """A backward through the first derivative's graph frees what its nodes saved: the
+    next derivative of the same call makes its residuals' node again, and both steps
+    equal pure JAX (the shared linearization of NOTE [Shared linearization] alike)."""
+    from torchside import _given
+    from torchside._higher import VjpCalls
+
+    if route == "split":
+        monkeypatch.setattr(_given, "ENABLED", [False])
+        monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
+        monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
+        monkeypatch.setattr(VjpCalls, "SPLIT_SAFE", True)
+    torch.manual_seed(0)
+    m = FlaxModule(TanhOut(), example_args=(torch.zeros(2, 3),))
+    params = list(m.parameters())
+    names, f = _apply(m)
+    x = torch.randn(2, 3, requires_grad=True)
+    y = m(x)
+    for scale in (1.0, 2.0):
+        for p in params:
+            p.grad = None
+        (g,) = torch.autograd.grad((scale * y).sum(), x, create_graph=True)
+        (g**2).sum().backward()
+
+        def jax_loss(values, x, scale=scale):
+            g = jax.grad(lambda x: (scale * f(values, x)).sum())(x)
+            return jnp.sum(g**2)
+
+        want = jax.grad(jax_loss)([to_jax(p) for p in params], to_jax(x))
+        for name, p, w in zip(names, params, want, strict=True):
+            _close(p.grad, w, f"scale {scale}: {name}.grad")
+
+
+def test_a_subset_the_route_takes_where_every_gradient_would_not():
+    """The route applies to the gradients a derivative asks for, but the backward of its
+    residuals may need every leaf's: where that set does not qualify, neither does the
+    route, and the result equals pure JAX."""
+    from torchside import jax_function
+
+    def fn(x, w, v):
+        return jnp.tanh(jax.jit(lambda x, w: jnp.tanh(x @ w))(x, w) @ v)
+
+    torch.manual_seed(0)
+    x, w, v = (torch.randn(*s, requires_grad=True) for s in ((2, 3), (3, 4), (4, 3)))
+    call = jax_function(fn)
+    ct = torch.randn(2, 3)
+    (gv,) = torch.autograd.grad(call(x, w, v), [v], ct, create_graph=True)
+    got = torch.autograd.grad((gv**2).sum(), [x, w, v])
+
+    def jax_loss(x, w, v):
+        gv = jax.grad(lambda v: jnp.sum(fn(x, w, v) * to_jax(ct)))(v)
+        return jnp.sum(gv**2)
+
+    want = jax.grad(jax_loss, argnums=(0, 1, 2))(to_jax(x), to_jax(w), to_jax(v))
+    for g, w_, name in zip(got, want, "xwv", strict=True):
+        _close(g, w_, name)
+
+
+def test_complex_residuals_keep_the_whole_vjp():
+    """A complex residual of a real function: its cotangents would need torch's conjugate
+    convention, which the route does not apply; it declines, and the result equals pure
+    JAX."""
+    from torchside import jax_function
+
+    def fn(x, w, v, c):
+        h = (x @ w) * c
+        return jnp.tanh(jnp.real(h * h) @ v)
+
+    torch.manual_seed(0)
+    x, w, v = (torch.randn(*s, requires_grad=True) for s in ((2, 3), (3, 4), (4, 3)))
+    c = torch.randn(2, 4, dtype=torch.complex64)
+    call = jax_function(fn)
+    ct, weight = torch.randn(2, 3), torch.rand(2, 3)
+    (gx,) = torch.autograd.grad(call(x, w, v, c), [x], ct, create_graph=True)
+    got = torch.autograd.grad((weight * gx**2).sum(), [x, w, v])
+    assert given_vjp(pipeline.entries(call)[0].program) is None
+
+    def jax_loss(x, w, v):
+        gx = jax.grad(lambda x: jnp.sum(fn(x, w, v, to_jax(c)) * to_jax(ct)))(x)
+        return jnp.sum(to_jax(weight) * gx**2)
+
+    want = jax.grad(jax_loss, argnums=(0, 1, 2))(to_jax(x), to_jax(w), to_jax(v))
+    for g, w_, name in zip(got, want, "xwv", strict=True):
+        _close(g, w_, name)
