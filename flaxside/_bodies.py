@@ -54,6 +54,24 @@ class Structure:
                 f"between traces).")
 
 
+def vjp_sources(leaves, results, vjp_leaves) -> tuple[tuple, list, dict]:
+    """``(sources, residuals, saved)`` of a traced VJP's leaves, as ``ResidualMap`` has them.
+
+    Each leaf is an input, a result or a true residual (``label_leaves``); ``saved``
+    maps the inputs' and results' indices to their positions among what is passed again.
+    """
+    known = {id(x): ("in", j) for j, x in enumerate(leaves)}
+    for k, x in enumerate(results):
+        known.setdefault(id(x), ("out", k))
+    labels, residuals = label_leaves(vjp_leaves, known)
+    saved = {"in": {}, "out": {}}  # leaf index -> position among what is passed again
+    sources = tuple(
+        (kind, i) if kind == "res" else (kind, saved[kind].setdefault(i, len(saved[kind])))
+        for kind, i in labels
+    )
+    return sources, residuals, saved
+
+
 class TracedBodies:
     """The bodies ``Program`` lowers, one per program kind, and the hooks they share."""
 
@@ -131,15 +149,7 @@ class TracedBodies:
         leaves = list(leaves)
         results, vjp = self._vjp(leaves)
         vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
-        known = {id(x): ("in", j) for j, x in enumerate(leaves)}
-        for k, x in enumerate(results):
-            known.setdefault(id(x), ("out", k))
-        labels, residuals = label_leaves(vjp_leaves, known)
-        saved = {"in": {}, "out": {}}  # leaf index -> position among what is passed again
-        sources = tuple(
-            (kind, i) if kind == "res" else (kind, saved[kind].setdefault(i, len(saved[kind])))
-            for kind, i in labels
-        )
+        sources, residuals, saved = vjp_sources(leaves, results, vjp_leaves)
         # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
         # leave as raw key data and are wrapped again, with the same implementation.
         key_impls = tuple(jax.random.key_impl(r) if is_key(r) else None for r in residuals)

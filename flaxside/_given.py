@@ -28,11 +28,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxside._bodies import replaced
+from flaxside._bodies import replaced, vjp_sources
 from flaxside._on_device import OnDevice
 from flaxside._pack import unpack
 from flaxside._program import Program
-from flaxside._vjp_leaves import label_leaves
 
 jtu = jax.tree_util
 
@@ -56,14 +55,7 @@ def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
     def z_of(leaves) -> list:
         """``Z``: the saved results, then the residuals unpacked, as the forward made them."""
         results, vjp = program._vjp(list(leaves))
-        known = {id(x): ("in", j) for j, x in enumerate(leaves)}
-        for k, x in enumerate(results):
-            known.setdefault(id(x), ("out", k))
-        labels, residuals = label_leaves(jtu.tree_leaves(vjp), known)
-        saved = {"in": {}, "out": {}}  # as the forward numbers them (``_forward_res_body``)
-        sources = tuple((kind, i) if kind == "res" else
-                        (kind, saved[kind].setdefault(i, len(saved[kind])))
-                        for kind, i in labels)
+        sources, residuals, _ = vjp_sources(list(leaves), results, jtu.tree_leaves(vjp))
         if sources != rmap.sources:  # another trace would disagree with the compiled one
             raise AssertionError(f"{program.name}: the VJP's leaves differ between two "
                                  f"traces: {sources} and {rmap.sources}")
