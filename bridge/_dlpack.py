@@ -2,7 +2,8 @@
 
 Every export it makes goes through ``Observed``, which records the step for
 ``record_ordering`` (``_ordering.py``) while a log is open, and every import is recorded
-(``imported``) for the exit handler below.
+(``imported``) for the exit handler below. ``own_arrays`` makes a result's torch storage
+keep its JAX array, for a backward to reuse (``stored_array``).
 
 NOTE [Imports at exit]. A program run keeps its inputs until it has finished, and JAX
 dispatches runs asynchronously: the thread of JAX's that finishes a run drops them. When
@@ -112,3 +113,30 @@ class Observed:
             record(self.kind, self.device, current_stream(self.device),
                    (stream, self.obj.data_ptr()))
         return self.obj.__dlpack__(*args, stream=stream, **kwargs)
+
+
+# The attribute of a torch storage, made over a JAX result on the DLPack route, that holds
+# the result's array (``own_arrays``).
+_ARRAY = "_flaxtorch_array"
+
+
+def own_arrays(tensors, arrays) -> None:
+    """Makes each torch storage over a result (DLPack route) hold the result's array.
+
+    On the CPU route ``cpu_tensor``'s tensor owns its array (its base), so a weak
+    reference to the array lives exactly as long as torch's memory. On the DLPack route the
+    tensor owns JAX's buffer but not the array object, and a weak reference dies at once:
+    every backward imported each saved tensor again (about 70 us an import on a GPU: most
+    of a small block's call there). torch keeps a storage's Python object, and its
+    attributes, as long as the storage lives (views, saved tensors and ``tensor_data()``
+    share it), so the array lives exactly as long as torch's memory: until the backward
+    frees what it saved, a saved-tensor hook drops the tensor it moved off the device, or
+    torch drops a graph never run backward.
+    """
+    for t, a in zip(tensors, arrays, strict=True):
+        setattr(t.untyped_storage(), _ARRAY, a)
+
+
+def stored_array(tensor: torch.Tensor):
+    """The array ``own_arrays`` gave ``tensor``'s storage, or ``None``."""
+    return getattr(tensor.untyped_storage(), _ARRAY, None)

@@ -59,12 +59,8 @@ class _Memory:
 
     def __init__(self, owner, pointer: int, shape: tuple, typestr: str):
         self.owner = owner
-        self.__array_interface__ = {
-            "data": (pointer, False),
-            "shape": shape,
-            "typestr": typestr,
-            "version": 3,
-        }
+        self.__array_interface__ = {"data": (pointer, False), "shape": shape,
+                                    "typestr": typestr, "version": 3}
 
 
 def in_place(tensor: torch.Tensor) -> bool:
@@ -101,8 +97,8 @@ def logical(tensor: torch.Tensor) -> torch.Tensor:
 def cpu_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array over a CPU tensor's memory (compacted and resolved first if needed).
 
-    The caller has checked the dtype (``_dtypes.numpy_dtype``). The view keeps the tensor
-    (or its compact copy) alive.
+    The caller has checked the dtype (``_dtypes.numpy_dtype``) and the device. The view
+    keeps the tensor (or its compact copy) alive.
     """
     if not in_place(tensor):
         tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
@@ -167,9 +163,7 @@ class CpuExchange:
         """What a program takes for ``tensor`` in this call."""
         if not tensor.is_cpu:  # a pointer view of another device's memory is never right
             raise elsewhere(tensor, self.torch_device)
-        if not in_place(tensor):
-            tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
-        return _view(tensor, tensor)
+        return cpu_view(tensor)
 
     def narrowed(self, tensor: torch.Tensor, name: str):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.

@@ -5,6 +5,8 @@ Nothing here is a stable API: it changes with the torch side that uses it (as
 """
 
 from bridge._devices import default_torch_device as default_torch_device
+from bridge._dlpack import own_arrays as own_arrays
+from bridge._dlpack import stored_array as stored_array
 from bridge._dtypes import narrow_to_int32 as narrow_to_int32
 from bridge._dtypes import narrows_to_int32 as narrows_to_int32
 from bridge._exchange import HeldArrays as HeldArrays
@@ -23,5 +25,7 @@ __all__ = [
     "exchange_for",
     "narrow_to_int32",
     "narrows_to_int32",
+    "own_arrays",
     "record_ordering",
+    "stored_array",
 ]

@@ -61,6 +61,7 @@ import torch.autograd.forward_ad as _fwAD
 from bridge.internal import HeldArrays, exchange_for
 from flaxside.internal import ARRAY
 from torchside import _build, _checks, _errors
+from torchside._autocast import cast, cast_tree, compute_dtype
 from torchside._entry import Entry, apply_bridge, apply_write_back
 from torchside._options import check_choice, check_positive_int
 from torchside._recompile import RecompileMonitor
@@ -137,24 +138,24 @@ def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where
     else:
         tensors, treedef, statics, values = _split_args(args, kwargs, where)
     device = lead_device(variables, tensors)
-    cast = _autocast_dtype(device) if autocast != "off" else None
+    to = _autocast_dtype(device) if autocast != "off" else None
     out_dtype = None
-    if cast is not None:
+    if to is not None:
         if autocast == "inputs":
-            variables = [_cast(v, cast) if p else v
+            variables = [cast(v, to) if p else v
                          for v, p in zip(variables, is_param, strict=True)]
-            tensors = [_cast(t, cast) for t in tensors]
+            tensors = [cast(t, to) for t in tensors]
         else:  # "outputs": the block runs in its parameters' dtype, inputs included
-            own = _compute_dtype(variables, is_param)
+            own = compute_dtype(variables, is_param)
             if own is not None:
-                tensors = [_cast(t, own) for t in tensors]
-            out_dtype = cast
+                tensors = [cast(t, own) for t in tensors]
+            out_dtype = to
     return Call(variables, tensors, treedef, statics, values, mode, device, out_dtype)
 
 
 def finish(call: Call, outputs):
     """The outputs as the owner returns them: autocast's output cast applied."""
-    return outputs if call.out_dtype is None else _cast_tree(outputs, call.out_dtype)
+    return outputs if call.out_dtype is None else cast_tree(outputs, call.out_dtype)
 
 
 def _split_args(args: tuple, kwargs: dict, where: str):
@@ -180,30 +181,6 @@ def _autocast_dtype(device: torch.device):
     if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
         return None
     return torch.get_autocast_dtype(device.type)
-
-
-def _compute_dtype(variables, is_param):
-    """The dtype of the floating parameters (``None`` if they have several or none)."""
-    dtypes = {v.dtype for v, p in zip(variables, is_param, strict=True)
-              if p and v.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def _cast(t, dtype):
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-        return t.to(dtype)
-    return t
-
-
-def _cast_tree(tree, dtype):
-    if isinstance(tree, torch.Tensor):  # the common case, and traceable by Dynamo
-        return _cast(tree, dtype)
-    if type(tree) in (tuple, list):
-        return type(tree)(_cast_tree(t, dtype) for t in tree)
-    if type(tree) is dict:
-        return {k: _cast_tree(v, dtype) for k, v in tree.items()}
-    return jtu.tree_map(lambda t: _cast(t, dtype), tree,
-                        is_leaf=lambda x: isinstance(x, torch.Tensor))
 
 
 def variable_key(variables, grads) -> tuple[TensorKey, ...]:

@@ -29,16 +29,18 @@ returned as one more output so that the backward can save them.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import jax
 import torch
 
 import bridge
+from bridge.internal import stored_array
 from flaxside.internal import ARRAY, Graph
 from torchside import _errors
 from torchside._call import CALLERS, lead_device
-from torchside._entry import apply_write_back, save
+from torchside._entry import Reusable, apply_write_back, save
 from torchside._values import Call, TensorMeta, positional
 
 jtu = jax.tree_util
@@ -167,7 +169,7 @@ def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
     caller = _caller(caller_id)
     entry = caller.entry(key)
     route = entry.routes["compiled"]
-    reuse = entry.reuse_for_op(route, saved)
+    reuse = _reuse(entry, route, saved)
     buffers, pending = entry.backward(caller.held, route, saved, reuse, cots)
     entry.exchange.wait(pending)
     return buffers
@@ -219,3 +221,21 @@ def compiled_call(caller, call: Call, write_back):
     n_out, recipe, wb = _facts(caller.compile_id, results[-1].shape[1])
     apply_write_back(write_back, wb, results, n_out)
     return _rebuild(recipe, results[:n_out])
+
+
+def _reuse(entry, route, saved) -> tuple | None:
+    """``Entry.saved_arrays``' ``reuse`` for ``backward_op`` (``None`` on the CPU route).
+
+    The arrays the forward op's results own (``bridge.internal.own_arrays``): a compiled
+    graph hands the backward op its saved tensors and nothing else of the call.
+    """
+    if not entry.exchange.dlpack:
+        return None
+    holds = entry.holding(route)
+    skip = (False,) * len(holds.outputs) + holds.offloaded  # as ``Entry.forward``'s
+    out = []
+    for t, off in zip(saved[holds.bounds[0]:], skip, strict=True):
+        array = None if off else stored_array(t)
+        out.append(None if array is None else
+                   Reusable(weakref.ref(array), array.unsafe_buffer_pointer()))
+    return tuple(out)

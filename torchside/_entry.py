@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 import bridge
-from bridge.internal import HeldArrays, check_memory
+from bridge.internal import HeldArrays, check_memory, own_arrays
 from torchside import _errors
 from torchside._values import Holds, Route
 
@@ -42,33 +42,6 @@ class Reusable(NamedTuple):
 
     array: weakref.ref
     pointer: int
-
-
-# The attribute of a torch storage, made over a JAX result on the DLPack route, that holds
-# the result's array (``own_arrays``).
-_ARRAY = "_flaxtorch_array"
-
-
-def own_arrays(tensors, arrays) -> None:
-    """Makes each torch storage over a result (DLPack route) hold the result's array.
-
-    On the CPU route ``cpu_tensor``'s tensor owns its array (its base), so a weak
-    reference to the array lives exactly as long as torch's memory. On the DLPack route the
-    tensor owns JAX's buffer but not the array object, and a weak reference dies at once:
-    every backward imported each saved tensor again (about 70 us an import on a GPU: most
-    of a small block's call there). torch keeps a storage's Python object, and its
-    attributes, as long as the storage lives (views, saved tensors and ``tensor_data()``
-    share it), so the array lives exactly as long as torch's memory: until the backward
-    frees what it saved, a saved-tensor hook drops the tensor it moved off the device, or
-    torch drops a graph never run backward.
-    """
-    for t, a in zip(tensors, arrays, strict=True):
-        setattr(t.untyped_storage(), _ARRAY, a)
-
-
-def stored_array(tensor: torch.Tensor):
-    """The array ``own_arrays`` gave ``tensor``'s storage, or ``None``."""
-    return getattr(tensor.untyped_storage(), _ARRAY, None)
 
 
 class Forward(NamedTuple):
@@ -204,23 +177,6 @@ class Entry:
         reuse = tuple(None if off else Reusable(weakref.ref(a), a.unsafe_buffer_pointer())
                       for a, off in zip(kept, skip, strict=True))
         return Forward(tensors[:n], tensors[n:], reuse, out)
-
-    def reuse_for_op(self, route: Route, saved) -> tuple | None:
-        """``saved_arrays``' ``reuse`` for ``backward_op`` (``None`` on the CPU route).
-
-        The arrays the forward op's results own (``own_arrays``): a compiled graph hands
-        the backward op its saved tensors and nothing else of the call.
-        """
-        if not self.exchange.dlpack:
-            return None
-        holds = self.holding(route)
-        skip = (False,) * len(holds.outputs) + holds.offloaded  # as ``forward``'s
-        out = []
-        for t, off in zip(saved[holds.bounds[0]:], skip, strict=True):
-            array = None if off else stored_array(t)
-            out.append(None if array is None else
-                       Reusable(weakref.ref(array), array.unsafe_buffer_pointer()))
-        return tuple(out)
 
     # -- backward ----------------------------------------------------------------------------
     def zero_cotangent(self, k: int):

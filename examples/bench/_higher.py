@@ -45,7 +45,6 @@ import math
 import os
 import sys
 import time
-from collections import Counter, defaultdict
 
 import flax.linen as nn
 import jax
@@ -57,10 +56,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this folder, and examples/ for pinn.py
 from _higher_floor import FloorTrunk, Node  # noqa: E402
 from _measure import Contestant, race  # noqa: E402
+from _orders import bridge_programs, held_by_order, kind_rank  # noqa: E402
 from pinn import PINN, Trunk, fast_loss, jax_loss, laplacian, source  # noqa: E402
 
 from torchside import FlaxModule, _given, jax_function  # noqa: E402  (_given: internals)
-from torchside._derived import derived_owners  # noqa: E402
 from torchside._higher import VjpCalls  # noqa: E402
 
 jtu = jax.tree_util
@@ -76,14 +75,6 @@ TARGETS = {"PENALTY": 1.5, "PINN": 2.0}  # bridge <= this x pure JAX (CPU)
 # off, what they save measured side by side.
 WHOLE = "bridge, whole VJPs"
 FLOOR_TARGET = 1.1  # bridge <= this x the no-bridge floor
-_KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recompute",
-               "value_and_grad")
-# A derived program's part: NOTE [Shared linearization]'s split of a VJP, NOTE [Given
-# residuals]' first-order backward on the forward's residuals and their own VJP; by the
-# suffix of the program's name.
-_ROLES = ("", "linearize ", "apply ", "given apply ", "given transpose ")
-_SUFFIX = {"linearize ": "(vjp linearize)", "apply ": "(vjp apply)",
-           "given apply ": "(given apply)", "given transpose ": "(given transpose)"}
 # What each order's programs compute (NOTE [Higher order]), per workload and order.
 COMPUTES = {
     "PENALTY": {
@@ -329,68 +320,6 @@ def pinn_contestants(points, width, lengths) -> tuple[list, dict]:
     return out, dict(module=bridge.trunk, step=out[0].call, exclude=out[0].params)
 
 
-# -- per order ----------------------------------------------------------------------------
-def bridge_programs(module) -> Counter:
-    """``(order, kind) -> executables`` the bridge compiled for ``module``, its derivatives'.
-
-    Reads the caches of the module's caller and of the callers of its derivatives, read
-    only, as ``tests/support/pipeline.py`` does (internals: no public API lists them).
-    """
-    found = Counter()
-
-    def walk(caller, order):
-        for entry in caller.entries:
-            name = entry.program.name
-            role = next((r for r in _ROLES[1:] if name.endswith(_SUFFIX[r])), "")
-            for kind in entry._executables:
-                found[order, role + kind] += 1
-            for derived in derived_owners(entry):
-                walk(derived._caller, order + 1)
-
-    walk(module._caller, 1)
-    return found
-
-
-def held_by_order(module, step, exclude: list[torch.Tensor]) -> dict:
-    """Bytes the bridge's ``step`` saves for backward, by the order of the call saving them.
-
-    Every tensor autograd saves passes through ``saved_tensors_hooks``. Inside ``module``'s
-    forward it is order 1's; inside the backward of a bridge call it is the call of that
-    call's VJP (one order up: the node is the bridge's ``autograd.Function`` context, whose
-    ``entry`` names the program, one "(vjp)" per order); anything else is torch's own ops.
-    Storages of ``exclude`` (parameters, inputs) are not counted; each other storage once.
-    """
-    known = {t.untyped_storage().data_ptr() for t in exclude}
-    inside = [False]
-    hooks = (module.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-             module.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
-    held = defaultdict(int)
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in known:
-            known.add(storage.data_ptr())
-            entry = getattr(torch._C._current_autograd_node(), "entry", None)
-            order = 1 if inside[0] else (
-                "torch" if entry is None else entry.program.name.count("(vjp") + 2)
-            held[order] += storage.nbytes()
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            step()
-    finally:
-        for h in hooks:
-            h.remove()
-    return dict(held)
-
-
-def _kind_rank(kind: str) -> tuple[int, int]:
-    """Where a program kind (with its role, if a VJP's part) sorts in its order's rows."""
-    role = next((r for r in _ROLES[1:] if kind.startswith(r)), "")
-    return _ROLES.index(role), _KIND_ORDER.index(kind[len(role):])
-
-
 def _mismatch(grads: list, reference: list) -> float:
     """Worst leaf's ``max |g - ref| / max |ref|``."""
     return max(float(np.abs(g - r).max()) / max(float(np.abs(r).max()), 1e-30)
@@ -437,7 +366,7 @@ def higher_rows(size_name: str, size: dict) -> list[dict]:
                          arrays=arrays.get((o, k)), runs=runs[o, k],
                          seconds=spent[o, k] / max(runs[o, k], 1))
                     for o, k in sorted(set(compiled) | set(runs),
-                                       key=lambda ok: (ok[0], *_kind_rank(ok[1])))]
+                                       key=lambda ok: (ok[0], *kind_rank(ok[1])))]
         rows.append(dict(name=name, describe=describe, times=times, rounds=rounds,
                          first_call=first, compile=compile_s, second_call=second,
                          mismatch=mismatch,
