@@ -163,7 +163,9 @@ class CpuExchange:
         """What a program takes for ``tensor`` in this call."""
         if not tensor.is_cpu:  # a pointer view of another device's memory is never right
             raise elsewhere(tensor, self.torch_device)
-        return cpu_view(tensor)
+        if not in_place(tensor):  # (cpu_view's body: one call less per tensor)
+            tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
+        return _view(tensor, tensor)
 
     def narrowed(self, tensor: torch.Tensor, name: str):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.

@@ -1,8 +1,9 @@
 """Autocast's casts of a call (NOTE [Resolve] in ``_call.py``), run only under autocast.
 
-``resolve`` asks torch for the autocast dtype of every call; what follows runs only when
-one is on: the inputs and parameters cast to it (``autocast="inputs"``), or the inputs to
-the parameters' own dtype and the outputs to autocast's (``"outputs"``).
+``resolve`` asks torch for the autocast dtype where the owner's ``autocast`` is not
+``"off"``; what follows runs only when autocast is on: the inputs and parameters cast to
+its dtype (``autocast="inputs"``), or the inputs to the parameters' own dtype and the
+outputs to autocast's (``"outputs"``).
 """
 
 from __future__ import annotations

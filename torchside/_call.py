@@ -32,8 +32,8 @@ buffer), ``None`` where no used output depends on it.
 
 A cached eager forward and backward of a ``FlaxModule`` runs our code in four files:
 ``_module.py``, this file, ``_entry.py`` and ``bridge/_exchange.py`` (the DLPack route
-adds ``bridge/_dlpack.py``); ``flaxside`` runs only when a signature's programs are built
-(``tests/calls/test_hot_path.py`` profiles it).
+adds ``bridge/_dlpack.py``, a call under ``torch.autocast`` ``_autocast.py``); ``flaxside``
+runs only when a signature's programs are built (``tests/calls/test_hot_path.py``).
 
 NOTE [Resolve]. What a call is depends on the owner's state and on torch's modes, not on
 the edge that runs it: the variables it reads (after their scopes' pre-hooks), the tensors

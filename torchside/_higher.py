@@ -180,9 +180,10 @@ class VjpCalls:
     # (docs/benchmarks.md) puts the crossover between 3.3e6 and 6.7e6 on a 2-core CPU.
     SPLIT_MIN_WORK = 5e6
     # On jax 0.8.1 a PINN's third step fails in a split order-3 call ("compiled for 8
-    # inputs but called with 7"): 0.8.1's linearize keeps outputs that do not depend on
-    # the cotangents in its static structure, as tracers of the linearize trace, which
-    # apply's trace then takes as an argument it has no value for (docs/compatibility.md).
+    # inputs but called with 7"): 0.8.1's jax.linearize keeps outputs that do not depend
+    # on the cotangents in its static structure, as tracers of our linearize program's
+    # trace, which apply's trace then takes as an argument it has no value for
+    # (docs/compatibility.md).
     # The split, a speed-up only, runs where it was tested.
     SPLIT_SAFE = tuple(map(int, re.findall(r"\d+", jax.__version__)[:3])) >= (0, 10, 2)
 
