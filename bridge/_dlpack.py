@@ -37,7 +37,31 @@ import torch
 
 from bridge._ordering import OrderingEvent, current_stream, recorders
 
+try:  # NOTE [Lean crossing]: jaxlib's own DLPack entry points, where their form is known
+    from jax._src.lib import _jax as _jaxlib
+    from jax._src.lib import jaxlib_extension_version as _JAXLIB_EXTENSION
+except ImportError:  # pragma: no cover - a jax that moved them: the public path
+    _jaxlib, _JAXLIB_EXTENSION = None, 0
+
 EXIT_TIMEOUT = 60.0  # seconds the exit handler waits before it warns and lets go
+
+# NOTE [Lean crossing]. ``jax.dlpack.from_dlpack`` and ``torch.from_dlpack`` cost 39 and 7 us
+# a tensor on a CPU (``examples/bench/call_costs.py``), almost all of it Python: each asks
+# the producer for its device, looks up the backend and JAX's stream, checks its arguments
+# and wraps the result again (``jnp.asarray``). A call of the DLPack route knows all of
+# that already (its exchange is one device's), so it goes straight to what both end in:
+# ``torch._C._to_dlpack`` and jaxlib's ``dlpack_managed_tensor_to_buffer`` for an import,
+# jaxlib's ``buffer_to_dlpack_managed_tensor`` and ``torch._C._from_dlpack`` for an export.
+# Those are private names, so the lean path is taken only where their form is the one
+# ``jax.dlpack.from_dlpack`` of the same release calls (jaxlib extension 467 and later:
+# jax 0.10.x, which CI runs); elsewhere (the oldest leg's jax 0.8.1) the public calls run,
+# and ``LEAN = False`` forces them (tests run both). Ordering is unchanged in meaning: an
+# argument's import makes no stream handshake of its own, since the run's fence, exported
+# after every argument's import, orders the program after all of torch's queued writes
+# (NOTE [Exchange] in ``_exchange.py``); the fence itself and each export still hand
+# over streams as the public calls do. Every crossing records itself (``record``) where it
+# happens, as ``Observed`` does on the public path.
+LEAN = _jaxlib is not None and _JAXLIB_EXTENSION >= 467
 
 # weak ref to the exported tensor (its callback removes the entry) -> weak ref to the array
 _imports: dict = {}
@@ -113,6 +137,76 @@ class Observed:
             record(self.kind, self.device, current_stream(self.device),
                    (stream, self.obj.data_ptr()))
         return self.obj.__dlpack__(*args, stream=stream, **kwargs)
+
+
+class Crossing:
+    """The DLPack crossings of one device's exchange: lean or public (NOTE [Lean crossing]).
+
+    Args:
+        jax_device: the JAX device every import lands on.
+        torch_device: the torch device of the tensors that cross.
+        lean: take the lean path (``LEAN`` when the exchange is made).
+    """
+
+    __slots__ = ("jax_device", "torch_device", "lean", "dl_type", "_stream")
+
+    def __init__(self, jax_device, torch_device: torch.device, lean: bool):
+        self.jax_device, self.torch_device, self.lean = jax_device, torch_device, lean
+        self.dl_type = 2 if torch_device.type == "cuda" else 1  # kDLCUDA, kDLCPU
+        self._stream = False  # JAX's stream for external ready events: read at first use
+
+    def _jax_stream(self):
+        """The stream JAX asks a producer to order its export on (``None`` on a CPU)."""
+        if self._stream is False:
+            try:
+                self._stream = self.jax_device.get_stream_for_external_ready_events()
+            except Exception as e:  # a CPU device: UNIMPLEMENTED, as from_dlpack handles it
+                if "UNIMPLEMENTED" not in str(e):
+                    raise
+                self._stream = None
+        return self._stream
+
+    def argument(self, tensor: torch.Tensor) -> jax.Array:
+        """JAX's array over ``tensor`` (compact, detached, with memory): an argument of a run.
+
+        Ordered by the run's fence, which is imported after it.
+        """
+        if not self.lean:
+            return jax.dlpack.from_dlpack(Observed(tensor, "import", self.torch_device))
+        if recorders:
+            record("import", self.torch_device, current_stream(self.torch_device),
+                   (None, tensor.data_ptr()))
+        return _jaxlib.dlpack_managed_tensor_to_buffer(
+            torch._C._to_dlpack(tensor), self.jax_device, None, None, self.dl_type)
+
+    def fence(self, tensor: torch.Tensor) -> jax.Array:
+        """JAX's array over the fence ``tensor``, after everything torch has queued."""
+        observed = Observed(tensor, "torch->jax", self.torch_device)
+        if not self.lean:
+            return jax.dlpack.from_dlpack(observed)
+        stream = self._jax_stream()
+        return _jaxlib.dlpack_managed_tensor_to_buffer(
+            observed.__dlpack__(stream=stream), self.jax_device, stream, None, self.dl_type)
+
+    def results(self, arrays: list) -> list[torch.Tensor]:
+        """Torch tensors over a run's result ``arrays``, handed to torch's current stream."""
+        device = self.torch_device
+        if self.lean:
+            stream = None if self.dl_type == 1 else current_stream(device)  # a CPU: no stream
+            # addressable_data(0): a new array over the same buffer, as jax's own to_dlpack
+            # exports, so that the capsule (which torch's memory keeps) holds that one and
+            # ``a`` lives as ``own_arrays`` says, not as long as torch's memory by chance.
+            tensors = [torch._C._from_dlpack(_jaxlib.buffer_to_dlpack_managed_tensor(
+                a.addressable_data(0), stream=stream)) for a in arrays]
+            streams = (stream,)
+        else:
+            observed = [Observed(a, "jax->torch", device) for a in arrays]
+            tensors = [torch.from_dlpack(o) for o in observed]
+            streams = tuple({s for o in observed for s in o.streams})
+        if recorders:
+            record("jax->torch", device, streams[0] if len(streams) == 1 else streams,
+                   tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
+        return tensors
 
 
 # The attribute of a torch storage, made over a JAX result on the DLPack route, that holds

@@ -25,10 +25,11 @@ JAX's work after torch's and torch's after JAX's:
 * DLPack: a held array was imported long before torch's latest write to it (an optimizer
   step), so each ``run`` imports one tiny fence tensor (torch's current stream -> an event
   -> JAX's stream) that the program waits for (``keep_unused``): after every write torch
-  has queued, before JAX reads anything. Results are exported to torch's current stream,
-  so torch's next work, a write to an output included, waits for JAX's. Every fence and
-  result crosses as an ``Observed`` export on every call, which records its step from
-  inside its ``__dlpack__`` while a ``record_ordering`` log is open: tests check on a CPU
+  has queued, before JAX reads anything, the arguments imported for the run included (so
+  their imports make no stream handshake of their own: NOTE [Lean crossing] in
+  ``_dlpack.py``). Results are exported to torch's current stream, so torch's next work,
+  a write to an output included, waits for JAX's. Every crossing (``Crossing``) records
+  its step where it happens while a ``record_ordering`` log is open: tests check on a CPU
   the very path every call takes. Exit waits for JAX to let go of every import (NOTE
   [Imports at exit] in ``_dlpack.py``).
 """
@@ -42,8 +43,8 @@ import jax
 import numpy as np
 import torch
 
-from bridge import _devices, _dtypes, _rules
-from bridge._dlpack import Observed, imported, record
+from bridge import _devices, _dlpack, _dtypes, _rules
+from bridge._dlpack import Crossing, imported, record
 from bridge._ordering import recorders
 from bridge._rules import ALIGNMENT, check_memory, elsewhere, no_memory
 
@@ -150,10 +151,32 @@ def _modes_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
 
 
+# NOTE [Packing per route]. A program's residuals and gradients leave it packed, one buffer
+# per dtype (``flaxside``'s ``pack_plan``), where the copy into the buffer (and for
+# gradients torch's views out of it) costs less than crossing each alone, so the limit
+# belongs to the route:
+#
+# * DLPack (a GPU's): a copy runs at terabytes a second (4 MiB read and written in about
+#   3 us on an H100) where a crossing cost 26-29 us on the H200 (docs/benchmarks.md): every
+#   array up to ``DLPACK_PACK_BYTES`` is packed, so a call crosses a fixed number of times
+#   however many such parameters the block has. A larger array crosses alone: its own
+#   compute dwarfs one crossing, and packing it would add its size to the program's peak.
+#   Forced on a CPU, the route keeps the GPU's limit, so that CI runs it.
+# * CPU: a copy runs at about 10 GB/s and a pointer view costs a few microseconds, so the
+#   limit is 64 KiB (``examples/bench/call_costs.py`` measures both).
+#
+# Packing costs memory: a program writes each array, then copies it into the buffer, so
+# its peak grows by up to the packed bytes (``examples/bench/packing.py`` reads XLA's
+# ``memory_analysis`` for both routes; docs/benchmarks.md quotes it).
+DLPACK_PACK_BYTES = 4 * 1024 * 1024
+CPU_PACK_BYTES = 64 * 1024
+
+
 class CpuExchange:
     """Pointer views on CPU (see NOTE [Exchange])."""
 
     dlpack = False
+    pack_bytes = CPU_PACK_BYTES  # NOTE [Packing per route]
 
     def __init__(self, device, torch_device: torch.device):
         self.device = device  # the JAX device
@@ -220,10 +243,12 @@ class DlpackExchange:
     """``__dlpack__`` both ways, one fence per program run (see NOTE [Exchange])."""
 
     dlpack = True
+    pack_bytes = DLPACK_PACK_BYTES  # NOTE [Packing per route]
 
-    def __init__(self, device, torch_device: torch.device):
+    def __init__(self, device, torch_device: torch.device, lean: bool = False):
         self.device = device
         self.torch_device = torch_device
+        self.crossing = Crossing(device, torch_device, lean)
         # Made at the first run, not here: the first exchange_for of a device may come from
         # a torch.compile op's fake implementation, where torch makes fake tensors only.
         self._fence = None
@@ -237,8 +262,7 @@ class DlpackExchange:
             return np.empty(tuple(tensor.shape), _dtypes.numpy_dtype(tensor.dtype))
         if not tensor.data_ptr():
             raise no_memory(tensor)
-        return imported(tensor, jax.dlpack.from_dlpack(
-            Observed(tensor, "import", self.torch_device)))
+        return imported(tensor, self.crossing.argument(tensor))
 
     def narrowed(self, tensor: torch.Tensor, name: str):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.
@@ -282,19 +306,12 @@ class DlpackExchange:
         if self._fence is None:
             self._fence = torch.zeros(1, dtype=torch.uint8, device=device)
         exported = self._fence.detach()  # its own object, to see JAX let go (imported)
-        fence = imported(exported, jax.dlpack.from_dlpack(
-            Observed(exported, "torch->jax", device)))
+        fence = imported(exported, self.crossing.fence(exported))
         if recorders:
             record("run", device, detail=name)
         arrays = program(*args, fence)
-        # JAX's results -> torch's current stream (torch passes it to __dlpack__).
-        observed = [Observed(a, "jax->torch", device) for a in arrays]
-        tensors = [torch.from_dlpack(o) for o in observed]
-        if recorders:
-            streams = {s for o in observed for s in o.streams}
-            record("jax->torch", device, streams.pop() if len(streams) == 1 else tuple(streams),
-                   tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors))
-        return arrays, tensors
+        # JAX's results -> torch's current stream.
+        return arrays, self.crossing.results(arrays)
 
     @staticmethod
     def wait(arrays) -> None:
@@ -392,7 +409,7 @@ def _exchange(device: torch.device, mode: str):
     jax_device = _devices.jax_device(device)
     if device.type == "cpu" and mode == "auto":
         return CpuExchange(jax_device, device)
-    return DlpackExchange(jax_device, device)
+    return DlpackExchange(jax_device, device, _dlpack.LEAN)
 
 
 def exchange_for(device: torch.device):

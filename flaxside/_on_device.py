@@ -8,7 +8,7 @@ from collections.abc import Callable
 from jax.sharding import SingleDeviceSharding
 
 from flaxside._device import compiling_for
-from flaxside._pack import pack_plan
+from flaxside._pack import PACK_BYTES, pack_plan
 from flaxside._specs import LeafSpec
 
 
@@ -18,15 +18,18 @@ class OnDevice:
     Args:
         device: the JAX device; ``None`` leaves placement to JAX (its default device), as a
             plain ``jax.jit`` would.
+        pack_bytes: residuals and gradients up to this many bytes leave a program packed,
+            one buffer per dtype; ``None``: all of them (``pack_plan``'s ``limit``).
     """
 
-    __slots__ = ("device",)
+    __slots__ = ("device", "pack_bytes")
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, pack_bytes: int | None = PACK_BYTES):
         self.device = device
+        self.pack_bytes = pack_bytes
 
     def __repr__(self):
-        return f"OnDevice({self.device})"
+        return f"OnDevice({self.device}, pack_bytes={self.pack_bytes})"
 
     def compiling(self):
         """Traces and lowerings inside it are for this device (``_device.py``)."""
@@ -60,8 +63,8 @@ class OnDevice:
         return (None,) * len(traced_out)
 
     def pack_plan(self, avals, alone=None):
-        """Small arrays cross packed, one buffer per dtype (``_pack.py``)."""
-        return pack_plan(avals, alone)
+        """Arrays up to ``pack_bytes`` cross packed, one buffer per dtype (``_pack.py``)."""
+        return pack_plan(avals, alone, self.pack_bytes)
 
     def constrain(self, x, sharding):
         """``x`` as a traced result leaves the program: as it is."""

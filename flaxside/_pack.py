@@ -15,7 +15,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-PACK_BYTES = 64 * 1024  # arrays this small cross the boundary packed, one buffer per dtype
+# Arrays this small cross packed, one buffer per dtype, by default. The torch side passes
+# its exchange route's own limit (``OnDevice(pack_bytes=...)``): a copy inside the program
+# against a crossing, which costs differently per device (NOTE [Packing per route] in
+# ``bridge/_exchange.py``).
+PACK_BYTES = 64 * 1024
 
 
 class Alone(NamedTuple):
@@ -32,12 +36,14 @@ class Packed(NamedTuple):
     shape: tuple[int, ...]
 
 
-def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
+def pack_plan(avals, alone=None, limit: int | None = PACK_BYTES) -> tuple[tuple, tuple]:
     """Where each array goes when small ones cross as one buffer per dtype.
 
     Args:
         avals: shapes and dtypes (anything with ``.shape`` and ``.dtype``).
         alone: per array, whether it must cross alone whatever its size.
+        limit: the bytes up to which an array counts as small; ``None``: every array
+            (one buffer per dtype, whatever the sizes).
 
     Returns:
         ``(placement, buffers)``: per array ``Alone`` or ``Packed`` into the buffers, and
@@ -48,7 +54,8 @@ def pack_plan(avals, alone=None) -> tuple[tuple, tuple]:
     shapes = [tuple(a.shape) for a in avals]
     dtypes = [np.dtype(a.dtype) for a in avals]
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    small = [not (alone is not None and alone[k]) and sizes[k] * dtypes[k].itemsize <= PACK_BYTES
+    small = [not (alone is not None and alone[k])
+             and (limit is None or sizes[k] * dtypes[k].itemsize <= limit)
              for k in range(len(avals))]
     if sum(small) < 2:
         small = [False] * len(avals)

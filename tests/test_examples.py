@@ -20,6 +20,7 @@ TINY_ARGS = {
     "bench/call_costs.py": ["--tensors", "16", "--repeats", "2"],
     "bench/dp_norms.py": ["--smoke"],
     "bench/shared_linearization.py": ["--smoke"],
+    "bench/packing.py": ["--smoke"],
     "bench/collectives.py": [],  # one layer's collectives, 2 gloo processes: seconds
     "bench/shard2d.py": ["--quick"],  # a 4-layer block on a 2x2 mesh, 4 gloo processes
     "gpu_check.py": [],
@@ -208,6 +209,14 @@ def _check_shared_linearization(done, out) -> None:
     assert float(rows[0][2]) < float(rows[1][2]), done.stdout  # more points, more work
 
 
+def _check_packing(done, out) -> None:
+    rows = {(r[0], r[1]): int(r[2]) for r in re.findall(
+        r"^\| (TINY|16 kernels) \| (CPU|DLPack) \(.*?\) \| \d+ \| (\d+) \|", done.stdout, re.M)}
+    assert len(rows) == 4, done.stdout
+    # The DLPack route packs the kernels' gradients, which cross alone on the CPU route.
+    assert rows["16 kernels", "DLPack"] <= 8 < rows["16 kernels", "CPU"], done.stdout
+
+
 def _check_dp_norms(done, out) -> None:
     temps = dict(re.findall(r"(summed where made|reduced after)\s+temporaries\s+([\d.]+) MiB",
                             done.stdout))
@@ -227,6 +236,7 @@ CHECKS = {
     "bench/collectives.py": _check_collectives,
     "bench/shard2d.py": _check_shard2d,
     "bench/dp_norms.py": _check_dp_norms,
+    "bench/packing.py": _check_packing,
     "bench/shared_linearization.py": _check_shared_linearization,
 }
 

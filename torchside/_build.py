@@ -83,8 +83,10 @@ def build(settings, sig, values, monitor, plan, residuals: str, key: int) -> Ent
                       for s, v in zip(sig.statics, values, strict=True))
         fn = flat_apply(settings.make_apply(sig.mode), settings.state_treedef, sig.arg_treedef,
                         slots)
-        placement = OnDevice(jax_device) if plan is None else plan.placement(
-            layout, [len(t.shape) for t in sig.tensors])
+        # Where it runs; on one device, what leaves a program packed is the exchange
+        # route's choice (NOTE [Packing per route] in bridge/_exchange.py).
+        placement = (OnDevice(jax_device, sig.exchange.pack_bytes) if plan is None else
+                     plan.placement(layout, [len(t.shape) for t in sig.tensors]))
         program = Program(fn, specs, placement=placement, name=where,
                           fence=sig.exchange.dlpack)
         _checks.check_output_dtypes(program, where)

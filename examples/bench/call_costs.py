@@ -3,8 +3,10 @@
 What this shows, on this machine, through flaxtorch's public API:
 
 * per tensor: ``bridge.to_jax`` and ``bridge.to_torch`` (zero-copy on CPU), a forced copy,
-  and the DLPack import and export that the CUDA route (and ``FLAXTORCH_EXCHANGE=dlpack``)
-  makes per tensor, each the median of repeated runs over many 64-element tensors;
+  JAX's and torch's public DLPack import and export, and the import and the export a call
+  itself makes on each route (the CPU route's pointer views; the DLPack route's crossings,
+  lean and through the public calls: NOTE [Lean crossing]), each the median of repeated
+  runs over many 64-element tensors;
 * per call: the benchmark's TINY row (one forward+backward of a 2-layer MLP, width 64,
   batch 8, where the fixed cost of a call dominates), measured by the benchmark's own code
   at its full size (``benchmark.run_workload``: the same model, weights, inputs and four
@@ -54,6 +56,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402
+from bridge import _dlpack as bridge_dlpack  # noqa: E402
+from bridge import _exchange as bridge_exchange  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,11 +94,40 @@ def tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
          "a copy"),
         ("bridge.to_torch, after waiting (CPU)",
          per_item(lambda: [bridge.to_torch(a) for a in arrays], n, repeats), "yes"),
-        ("DLPack import, jax.dlpack.from_dlpack (the CUDA route's)",
+        ("DLPack import, jax.dlpack.from_dlpack (public)",
          per_item(lambda: [jax.dlpack.from_dlpack(t) for t in tensors], n, repeats), "yes"),
-        ("DLPack export, torch.from_dlpack (the CUDA route's)",
+        ("DLPack export, torch.from_dlpack (public)",
          per_item(lambda: [torch.from_dlpack(a) for a in arrays], n, repeats), "yes"),
+        *call_rows(tensors, arrays, n, repeats),
     ]
+
+
+def call_rows(tensors, arrays, n: int, repeats: int) -> list[tuple[str, float, str]]:
+    """The import and the export a call itself makes per tensor, on each route.
+
+    Import: what a program takes for an argument (``exchange.view``: a pointer view on the
+    CPU route, a DLPack import on the DLPack route, its arrays dropped as a call drops
+    them); export: a torch tensor over a result (``cpu_tensor``; the DLPack route's
+    ``Crossing.results``, lean where this jax allows it: NOTE [Lean crossing]).
+    """
+    device = tensors[0].device
+    cpu = bridge_exchange.CpuExchange(bridge.jax_device(device), device) if device.type == (
+        "cpu") else None
+    rows = []
+    if cpu is not None:
+        rows += [("a call's import, CPU route (pointer view)",
+                  per_item(lambda: [cpu.view(t) for t in tensors], n, repeats), "yes"),
+                 ("a call's export, CPU route (tensor over the result)",
+                  per_item(lambda: [bridge_exchange.cpu_tensor(a) for a in arrays], n,
+                           repeats), "yes")]
+    for lean in sorted({bridge_dlpack.LEAN, False}, reverse=True):
+        dl = bridge_exchange.DlpackExchange(bridge.jax_device(device), device, lean)
+        path = "lean" if lean else "public calls"
+        rows += [(f"a call's import, DLPack route ({path})",
+                  per_item(lambda dl=dl: [dl.view(t) for t in tensors], n, repeats), "yes"),
+                 (f"a call's export, DLPack route ({path})",
+                  per_item(lambda dl=dl: dl.crossing.results(arrays), n, repeats), "yes")]
+    return rows
 
 
 def cuda_tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
@@ -132,6 +165,7 @@ def cuda_tensor_rows(n: int, repeats: int) -> list[tuple[str, float, str]]:
         (f"a program over the {n} arrays, run and waited for", run_only, "-"),
         ("DLPack export, torch.from_dlpack, of the results of that program just dispatched "
          "(run + export - run)", run_and_export - run_only, "yes"),
+        *call_rows(tensors, arrays, n, repeats),
     ]
 
 
