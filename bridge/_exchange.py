@@ -9,8 +9,8 @@ NOTE [Exchange]. Every route is zero-copy where JAX can use the memory in place.
 * DLPack (CUDA, or any device with ``FLAXTORCH_EXCHANGE=dlpack``): ``__dlpack__`` both
   ways. The forced mode sends CPU tensors through this code so that CI runs it.
 
-Held arrays (``HeldArrays``): parameters and buffers keep their memory from call to call
-(optimizers and ``load_state_dict`` write in place), so each gets one JAX array over it,
+Held arrays (``HeldArrays``, ``_held.py``): parameters and buffers keep their memory from
+call to call (optimizers and ``load_state_dict`` write in place), so each gets one array,
 reused while the tensor's address, device, dtype, shape, strides and flags are unchanged
 and replaced at the first call that sees otherwise: old bits are never read as a new dtype
 or shape, nor one device's memory as another's.
@@ -37,6 +37,7 @@ JAX's work after torch's and torch's after JAX's:
 from __future__ import annotations
 
 import functools as ft
+import types
 from typing import NamedTuple
 
 import jax
@@ -45,31 +46,20 @@ import torch
 
 from bridge import _devices, _dlpack, _dtypes, _rules
 from bridge._dlpack import Crossing, imported, record
+from bridge._held import in_place
 from bridge._ordering import recorders
 from bridge._rules import ALIGNMENT, check_memory, elsewhere, no_memory
 
 
-class _Memory:
+def _memory(owner, pointer: int, shape: tuple, typestr: str) -> types.SimpleNamespace:
     """Memory at an address, as numpy sees it through the array interface.
 
     ``owner`` keeps the memory alive for as long as numpy (or JAX, which keeps the numpy
-    array) uses it; held arrays pass ``None`` (see ``HeldArrays``).
+    array) uses it; held arrays pass ``None`` (see ``HeldArrays``). A ``SimpleNamespace``:
+    made in C, it costs no Python call, and the per-call paths below build it inline.
     """
-
-    __slots__ = ("__array_interface__", "owner")
-
-    def __init__(self, owner, pointer: int, shape: tuple, typestr: str):
-        self.owner = owner
-        self.__array_interface__ = {"data": (pointer, False), "shape": shape,
-                                    "typestr": typestr, "version": 3}
-
-
-def in_place(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory holds its values as JAX reads them.
-
-    Compact, with no lazy conjugate or negative bit; alignment aside (``is_zero_copy``).
-    """
-    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    return types.SimpleNamespace(owner=owner, __array_interface__={
+        "data": (pointer, False), "shape": shape, "typestr": typestr, "version": 3})
 
 
 def is_zero_copy(tensor: torch.Tensor) -> bool:
@@ -118,7 +108,8 @@ def _view(tensor: torch.Tensor, owner) -> np.ndarray:
     pointer = tensor.data_ptr()
     if not pointer:
         raise no_memory(tensor)
-    view = np.asarray(_Memory(owner, pointer, shape, typestr))
+    view = np.asarray(types.SimpleNamespace(owner=owner, __array_interface__={  # _memory
+        "data": (pointer, False), "shape": shape, "typestr": typestr, "version": 3}))
     return view if view.dtype == np_dtype else view.view(np_dtype)
 
 
@@ -127,28 +118,43 @@ def cpu_tensor(array: jax.Array) -> torch.Tensor:
 
     The buffer exists from dispatch on; torch may read it once the array is ready.
     """
-    typestr, view_as = _dtypes.typestr(array.dtype)
-    shape = array.shape
-    if 0 in shape:  # not array.size: a Python property, slower on this path
-        return torch.empty(shape, dtype=view_as or _dtypes.torch_dtype(array.dtype),
-                           device="cpu")  # not torch's default device, which may be a GPU
-    out = torch.from_numpy(np.asarray(
-        _Memory(array, array.unsafe_buffer_pointer(), shape, typestr)))
+    return _tensor_over(array, result_template(array.shape, array.dtype))
+
+
+class ResultTemplate(NamedTuple):
+    """What ``cpu_tensor`` needs of a result, fixed by its program (made once per entry).
+
+    ``empty``: the torch dtype of a result with no elements (nothing to view), else
+    ``None``; ``view_as``: the torch dtype to re-view the exposed bytes as, or ``None``.
+    """
+
+    shape: tuple
+    typestr: str
+    view_as: torch.dtype | None
+    empty: torch.dtype | None
+
+
+def result_template(shape, dtype) -> ResultTemplate:
+    """The ``ResultTemplate`` of a result of ``shape`` and (numpy or JAX) ``dtype``."""
+    typestr, view_as = _dtypes.typestr(dtype)
+    shape = tuple(shape)
+    return ResultTemplate(shape, typestr, view_as,
+                          (view_as or _dtypes.torch_dtype(dtype)) if 0 in shape else None)
+
+
+def _tensor_over(array: jax.Array, template: ResultTemplate) -> torch.Tensor:
+    shape, typestr, view_as, empty = template
+    if empty is not None:  # not torch's default device, which may be a GPU
+        return torch.empty(shape, dtype=empty, device="cpu")
+    out = torch.from_numpy(np.asarray(types.SimpleNamespace(  # _memory
+        owner=array, __array_interface__={"data": (array.unsafe_buffer_pointer(), False),
+                                          "shape": shape, "typestr": typestr,
+                                          "version": 3})))
     return out if view_as is None else out.view(view_as)
 
 
 def _holdable(tensor: torch.Tensor) -> bool:
     return tensor.is_leaf and is_zero_copy(tensor)
-
-
-def _modes_active() -> bool:
-    """Whether a torch dispatch or function mode is on: it would see the tensors being made.
-
-    Such modes (``DebugMode``'s tensor hashes, NaN checkers) may read every op's output,
-    so results are made into tensors, and viewed, only once JAX has written them.
-    ``torch.set_default_device`` is such a mode too (one that reads nothing).
-    """
-    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
 
 
 # NOTE [Packing per route]. A program's residuals and gradients leave it packed, one buffer
@@ -186,9 +192,19 @@ class CpuExchange:
         """What a program takes for ``tensor`` in this call."""
         if not tensor.is_cpu:  # a pointer view of another device's memory is never right
             raise elsewhere(tensor, self.torch_device)
-        if not in_place(tensor):  # (cpu_view's body: one call less per tensor)
+        # cpu_view's body, in_place's written out: per-call calls less per tensor.
+        if not tensor.is_contiguous() or tensor.is_neg() or (tensor.dtype.is_complex
+                                                              and tensor.is_conj()):
             tensor = logical(tensor.detach())  # a copy; detached so autograd records nothing
-        return _view(tensor, tensor)
+        # _view's body, written out for the same reason.
+        typestr, np_dtype = _dtypes.view_typestr(tensor.dtype)
+        shape = tuple(tensor.shape)
+        pointer = tensor.data_ptr()
+        if not pointer or 0 in shape:
+            return _view(tensor, tensor)  # no elements, or no memory: _view says which
+        view = np.asarray(types.SimpleNamespace(owner=tensor, __array_interface__={
+            "data": (pointer, False), "shape": shape, "typestr": typestr, "version": 3}))
+        return view if view.dtype == np_dtype else view.view(np_dtype)
 
     def narrowed(self, tensor: torch.Tensor, name: str):
         """What a program takes for an int64 ``tensor`` as int32: its values, checked.
@@ -219,18 +235,41 @@ class CpuExchange:
             return None
         return array
 
-    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
+    @staticmethod
+    def templates(specs) -> tuple[tuple[ResultTemplate, ...], bool]:
+        """Per result of a program (``specs``: each a shape and a dtype), its template.
+
+        Returns:
+            ``(templates, plain)``: ``plain`` says every result has elements and a
+            numpy-native dtype (``run`` then makes its tensors without a call per result).
+        """
+        templates = tuple(result_template(s.shape, s.dtype) for s in specs)
+        return templates, all(t.empty is None and t.view_as is None for t in templates)
+
+    def run(self, name: str, program, templates, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args)``: its result arrays, and torch tensors over them.
 
         Returns while JAX computes: the caller does work that reads none of the results
         meanwhile, then calls ``wait(arrays)`` before anything (torch, user code, a
         saved-tensor hook) may read them. ``name`` names the program (for
-        ``record_ordering`` on the DLPack route).
+        ``record_ordering`` on the DLPack route); ``templates``: ``templates`` of its
+        results.
         """
         arrays = program(*args)
-        if _modes_active():  # a mode sees every op, a view included, and may read it
+        # A torch mode sees every op, a view included, and may read it (NaN checkers,
+        # DebugMode's hashes; torch.set_default_device is one that reads nothing).
+        if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
             self.wait(arrays)
-        return arrays, [cpu_tensor(a) for a in arrays]  # made while JAX computes
+        templates, plain = templates
+        if not plain:
+            return arrays, list(map(_tensor_over, arrays, templates))
+        # _tensor_over's body for plain results, written out: no Python call per result.
+        # The tensors are made while JAX computes.
+        return arrays, [torch.from_numpy(np.asarray(types.SimpleNamespace(
+            owner=a, __array_interface__={"data": (a.unsafe_buffer_pointer(), False),
+                                          "shape": t.shape, "typestr": t.typestr,
+                                          "version": 3})))
+            for a, t in zip(arrays, templates, strict=True)]
 
     @staticmethod
     def wait(arrays) -> None:
@@ -294,7 +333,11 @@ class DlpackExchange:
             return None
         return array
 
-    def run(self, name: str, program, *args) -> tuple[list, list[torch.Tensor]]:
+    @staticmethod
+    def templates(specs) -> None:
+        """Nothing: DLPack tells torch each result's shape and dtype."""
+
+    def run(self, name: str, program, templates, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs ``program(*args, fence)``: its result arrays, and torch tensors over them.
 
         ``program`` is compiled with one more argument, the fence, that it waits for;
@@ -316,92 +359,6 @@ class DlpackExchange:
     @staticmethod
     def wait(arrays) -> None:
         """Nothing to wait for: ``run`` ordered torch's stream after the results."""
-
-
-# -- held arrays ------------------------------------------------------------------------------
-class HeldSlot(NamedTuple):
-    """What ``HeldArrays`` keeps for one variable slot: the tensor as last seen, its array.
-
-    ``requires_grad`` is the grad flag the signature saw; ``array`` is ``None`` where the
-    tensor cannot be held (a non-leaf such as an autocast copy or a parametrized weight,
-    unaligned or non-compact memory): such a tensor gets a fresh view each call.
-    """
-
-    pointer: int
-    dtype: torch.dtype
-    shape: torch.Size
-    device: torch.device
-    requires_grad: bool
-    exchange: object
-    array: object
-
-
-class HeldArrays:
-    """One JAX array per variable slot of one owner, reused while its tensor is unchanged.
-
-    See NOTE [Exchange] for when a held array is valid.
-    """
-
-    __slots__ = ("slots",)
-
-    def __init__(self):
-        self.slots: list[HeldSlot | None] = []
-
-    def arrays(self, tensors, exchange, grads=None) -> tuple[list, bool]:
-        """Arrays for ``tensors`` (one per slot), and whether a signature-relevant flag changed.
-
-        Signature-relevant: a device, dtype, shape or grad flag. A slot whose tensor moved
-        (same device, dtype and shape, another address or layout) gets a new array, which is
-        no change of signature. ``grads`` replaces the tensors' ``requires_grad`` flags
-        (inside a custom op, tensors arrive detached).
-
-        Raises:
-            ValueError: a tensor is not on ``exchange``'s device (nothing is held for it).
-        """
-        slots = self.slots
-        changed = len(slots) != len(tensors)
-        if changed:
-            slots[:] = [None] * len(tensors)
-        out = []
-        for i, t in enumerate(tensors):
-            s = slots[i]
-            ptr = t.data_ptr()
-            grad = t.requires_grad if grads is None else grads[i]
-            if (s is not None and s.pointer == ptr and s.exchange is exchange
-                    and s.dtype is t.dtype and s.shape == t.shape and s.requires_grad == grad):
-                if s.array is None:
-                    out.append(exchange.view(t))
-                    continue
-                if in_place(t):  # not so: a same-address view with other strides
-                    out.append(s.array)
-                    continue
-            # The address alone cannot tell devices apart (a meta tensor's is 0): compare.
-            if (s is None or s.dtype is not t.dtype or s.shape != t.shape
-                    or s.requires_grad != grad or s.device != t.device):
-                changed = True
-            array = exchange.hold(t)
-            slots[i] = HeldSlot(ptr, t.dtype, t.shape, t.device, grad, exchange, array)
-            out.append(exchange.view(t) if array is None else array)
-        return out, changed
-
-    def get(self, slot: int, tensor: torch.Tensor, exchange):
-        """The held array of ``slot`` if ``tensor`` is still its tensor, else a fresh view.
-
-        Nothing new is held: in a backward, saved-tensor hooks may hand back temporary
-        copies.
-        """
-        s = self.slots[slot] if slot < len(self.slots) else None
-        # Whether the slot's array is ``tensor``'s memory as JAX reads it (same layout
-        # too); written out rather than a method: it runs per leaf in every backward.
-        if (s is not None and s.array is not None and s.pointer == tensor.data_ptr()
-                and s.exchange is exchange and s.dtype is tensor.dtype
-                and s.shape == tensor.shape and in_place(tensor)):
-            return s.array
-        return exchange.view(tensor)
-
-    def clear(self) -> None:
-        """Releases every held array."""
-        self.slots = []
 
 
 @ft.cache

@@ -9,8 +9,8 @@ from bridge._dlpack import own_arrays as own_arrays
 from bridge._dlpack import stored_array as stored_array
 from bridge._dtypes import narrow_to_int32 as narrow_to_int32
 from bridge._dtypes import narrows_to_int32 as narrows_to_int32
-from bridge._exchange import HeldArrays as HeldArrays
 from bridge._exchange import exchange_for as exchange_for
+from bridge._held import HeldArrays as HeldArrays
 from bridge._ordering import OrderingEvent as OrderingEvent
 from bridge._ordering import record_ordering as record_ordering
 from bridge._rules import ALIGNMENT as ALIGNMENT

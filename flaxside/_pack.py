@@ -48,8 +48,9 @@ def pack_plan(avals, alone=None, limit: int | None = PACK_BYTES) -> tuple[tuple,
     Returns:
         ``(placement, buffers)``: per array ``Alone`` or ``Packed`` into the buffers, and
         per buffer its ``(shape, dtype)``: the arrays that cross alone first, then one flat
-        buffer per dtype, in order of first use. With fewer than two small arrays nothing
-        is packed.
+        buffer per dtype, in order of first use. Inside a buffer, arrays of one shape sit
+        side by side (shapes in order of first use), so that the torch side views each run
+        of them with one ``unbind``. With fewer than two small arrays nothing is packed.
     """
     shapes = [tuple(a.shape) for a in avals]
     dtypes = [np.dtype(a.dtype) for a in avals]
@@ -61,16 +62,24 @@ def pack_plan(avals, alone=None, limit: int | None = PACK_BYTES) -> tuple[tuple,
         small = [False] * len(avals)
     buffers = [(shapes[k], dtypes[k]) for k in range(len(avals)) if not small[k]]
     n_alone = len(buffers)
-    groups: dict[np.dtype, list[int]] = {}  # dtype -> [buffer index, elements so far]
-    placement = []
+    # dtype -> buffer index, then per shape the arrays of that dtype and shape, in order
+    groups: dict[np.dtype, tuple[int, dict]] = {}
+    placement: list = [None] * len(avals)
+    alone_so_far = 0
     for k in range(len(avals)):
         if not small[k]:
-            placement.append(Alone(k - sum(small[:k])))
+            placement[k] = Alone(alone_so_far)
+            alone_so_far += 1
             continue
-        group = groups.setdefault(dtypes[k], [n_alone + len(groups), 0])
-        placement.append(Packed(group[0], group[1], shapes[k]))
-        group[1] += sizes[k]
-    buffers += [((total,), dtype) for dtype, (_, total) in groups.items()]
+        group = groups.setdefault(dtypes[k], (n_alone + len(groups), {}))
+        group[1].setdefault(shapes[k], []).append(k)
+    for buffer, by_shape in groups.values():
+        offset = 0
+        for shape, members in by_shape.items():
+            for k in members:
+                placement[k] = Packed(buffer, offset, shape)
+                offset += sizes[k]
+        buffers.append(((offset,), dtypes[members[0]]))
     return tuple(placement), tuple(buffers)
 
 
@@ -81,10 +90,10 @@ def pack(arrays: list, placement) -> list:
     for x, entry in zip(arrays, placement, strict=True):
         if type(entry) is Alone:
             buffers[entry.buffer] = x
-        else:  # offsets follow the order of the arrays (pack_plan)
-            groups.setdefault(entry.buffer, []).append(x.reshape(-1))
+        else:
+            groups.setdefault(entry.buffer, []).append((entry.offset, x.reshape(-1)))
     for b, parts in groups.items():
-        buffers[b] = jnp.concatenate(parts)
+        buffers[b] = jnp.concatenate([x for _, x in sorted(parts, key=lambda p: p[0])])
     return [buffers[b] for b in range(len(buffers))]
 
 

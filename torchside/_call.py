@@ -30,10 +30,14 @@ backward program through the exchange (for a scalar loss, whose forward ran
 ``_entry.py``); ``Entry.gradients`` hands each leaf its gradient (a view of a packed
 buffer), ``None`` where no used output depends on it.
 
-A cached eager forward and backward of a ``FlaxModule`` runs our code in four files:
-``_module.py``, this file, ``_entry.py`` and ``bridge/_exchange.py`` (the DLPack route
-adds ``bridge/_dlpack.py``, a call under ``torch.autocast`` ``_autocast.py``); ``flaxside``
-runs only when a signature's programs are built (``tests/calls/test_hot_path.py``).
+A cached eager forward and backward of a ``FlaxModule`` runs our code in five files:
+``_module.py``, this file, ``_entry.py``, ``bridge/_exchange.py`` and ``bridge/_held.py``
+(the held arrays' check, a concept of its own: NOTE [Held arrays per call]); the DLPack
+route adds ``bridge/_dlpack.py`` (and on CUDA ``bridge/_ordering.py``, for torch's current
+stream), a call under ``torch.autocast`` ``_autocast.py``; ``flaxside`` runs only when a
+signature's programs are built (``tests/calls/test_hot_path.py``). Code there that a
+per-call step would otherwise call once per tensor reads all tensors through ``map``
+(no Python call per tensor: a leaf costs the call what it costs torch's C code).
 
 NOTE [Resolve]. What a call is depends on the owner's state and on torch's modes, not on
 the edge that runs it: the variables it reads (after their scopes' pre-hooks), the tensors
@@ -49,6 +53,7 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
+import operator
 import struct
 import threading
 import weakref
@@ -65,13 +70,18 @@ from torchside._autocast import cast, cast_tree, compute_dtype
 from torchside._entry import Entry, apply_bridge, apply_write_back
 from torchside._options import check_choice, check_positive_int
 from torchside._recompile import RecompileMonitor
-from torchside._values import Call, Edges, Settings, Signature, TensorKey
+from torchside._values import Call, Edges, Settings, Signature, TensorKey, positional
 from torchside._values import function_settings as function_settings
 
 jtu = jax.tree_util
 
 RESIDUAL_MODES = ("save", "split", "recompute")
 CPU = torch.device("cpu")
+# A signature's parts per tensor, read by ``map`` (in C: no Python call per tensor).
+_SHAPE = operator.attrgetter("shape")  # a compiled call's are stand-ins (TensorMeta)
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 # What ``prepare`` does for each edge (NOTE [Routes]): which edges read the tensors'
 # memory (under torch.func they may be wrappers without any, and a compiled graph's
@@ -81,6 +91,18 @@ _DRAWS = frozenset({"eager", "compiled", "transformed"})
 _NAMED = frozenset({"compiled", "fake"})  # a compiled graph names its entry by key
 
 _caller_ids = itertools.count(1)
+_var_key_ids = itertools.count(1)  # never restarted: no two VarKeys ever share an int
+
+
+class VarKey(int):
+    """A signature's variables, as an int that names them (``keys``: a ``TensorKey`` each).
+
+    Hashed and compared in C whatever the number of variables (a tuple of 768 keys was
+    hashed at every call: NOTE [Held arrays per call] in ``bridge/_held.py``); one caller
+    gives equal keys one ``VarKey`` (``Caller._intern``).
+    """
+
+    keys: tuple
 # Callers by compile id, for ``torch.compile``'s ops (``_compile.py``), which carry only
 # ints and strings. Weak: nothing here outlives its owner.
 CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -114,7 +136,7 @@ def static_key(value) -> tuple:
 
 
 def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where: str,
-            autocast: str = "off", is_param: tuple = ()) -> Call:
+            autocast: str = "off", is_param: tuple = (), compiling: bool | None = None) -> Call:
     """Resolves one call of an owner (NOTE [Resolve]).
 
     Args:
@@ -126,19 +148,23 @@ def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where
         where: the owner's name for messages.
         autocast: the owner's autocast behaviour (``AUTOCAST_MODES``; see ``FlaxModule``).
         is_param: per variable, whether it is a parameter (autocast casts those).
+        compiling: whether Dynamo traces the call (``None``: asks torch).
 
     Raises:
         TypeError: a static argument is unhashable; under ``torch.compile``, an argument
             that is not a positional tensor.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
             raise _errors.compiled_arguments(where, len(args), len(kwargs))
         tensors, treedef, statics, values = list(args), None, None, None
     else:
         tensors, treedef, statics, values = _split_args(args, kwargs, where)
-    device = lead_device(variables, tensors)
-    to = _autocast_dtype(device) if autocast != "off" else None
+    lead = variables[0] if variables else (tensors[0] if tensors else None)  # lead_device
+    device = CPU if lead is None else lead.device
+    # (_autocast_dtype's test first, written out: no call where autocast is off)
+    to = (_autocast_dtype(device) if autocast != "off" and device.type in ("cpu", "cuda")
+          and torch.is_autocast_enabled(device.type) else None)
     out_dtype = None
     if to is not None:
         if autocast == "inputs":
@@ -160,6 +186,10 @@ def finish(call: Call, outputs):
 
 def _split_args(args: tuple, kwargs: dict, where: str):
     """``(tensors, treedef, statics, values)`` of a call's arguments."""
+    if not kwargs and all(map(isinstance, args, itertools.repeat(torch.Tensor))):
+        # Positional tensors only, the common call: the structure flatten would give.
+        n = len(args)
+        return list(args), positional(n), (ARRAY,) * n, list(args)
     leaves, treedef = jtu.tree_flatten((args, kwargs))
     tensors, statics = [], []
     for leaf in leaves:
@@ -245,6 +275,7 @@ class Caller:
         self._by_key: dict[int, Signature] = {}  # torch.compile's graphs name entries by key
         self.held = HeldArrays()
         self._var_keys: dict = {}
+        self._interned: dict = {}  # variables' keys -> their VarKey
         self._rng_zeros: dict = {}
         # torchside._shard.ShardPlan once the owner is sharded; kept by a deep copy, not
         # pickled (another process has other meshes): an unpickled copy refuses its
@@ -315,21 +346,29 @@ class Caller:
             _checks.explain_state_error(self.settings.var_names, call, self.where)
             raise
         if state_arrays is None:  # stand-in tensors: a key of their own, not kept
-            var_key = variable_key(call.variables, var_grads)
+            var_key = self._intern(variable_key(call.variables, var_grads))
         else:
             if changed:
                 self._var_keys = {}
             flags = torch.is_grad_enabled() if var_grads is None else var_grads
-            var_key = self._var_keys.get(flags)
+            var_key = self._var_keys[flags] if flags in self._var_keys else None
             if var_key is None:  # until a variable changes (``changed``), per grad mode
-                var_key = self._var_keys[flags] = variable_key(
+                var_key = self._var_keys[flags] = self._intern(variable_key(
                     call.variables, [flags and t.requires_grad for t in call.variables]
-                    if var_grads is None else var_grads)
-        sig = Signature(call.arg_treedef, call.statics,
-                        tuple(TensorKey(t.shape, t.dtype, t.device, g)
-                              for t, g in zip(call.tensors, grads, strict=True)),
-                        var_key, call.mode, jax.config.jax_enable_x64, exchange)
-        entry = self.lookup(sig, call.values)
+                    if var_grads is None else var_grads))
+        tensors = call.tensors
+        # (tuple.__new__ makes the NamedTuples in C: no Python __new__ on this path)
+        sig = tuple.__new__(Signature, (
+            call.arg_treedef, call.statics,
+            tuple(map(tuple.__new__, itertools.repeat(TensorKey),
+                      zip(map(_SHAPE, tensors), map(_DTYPE, tensors), map(_DEVICE, tensors),
+                          grads, strict=True))),
+            var_key, call.mode, jax.config.jax_enable_x64, exchange))
+        try:  # (a subscript, not .get: no call on a hit)
+            entry = self._cache[sig]
+            self._cache.move_to_end(sig)  # LRU
+        except KeyError:  # a miss, or evicted by another thread just now
+            entry = self.lookup(sig, call.values)
         if edge in _NAMED:
             self._by_key[entry.key] = sig
         layout = entry.layout
@@ -339,6 +378,14 @@ class Caller:
         if state_arrays is not None:
             state_arrays.append(exchange.view(rng))
         return entry, state_arrays, layout.of_leaves(call.variables, rng, call.tensors)
+
+    def _intern(self, keys: tuple) -> VarKey:
+        """The ``VarKey`` of a signature's variables (equal keys, one ``VarKey``)."""
+        key = self._interned.get(keys)
+        if key is None:
+            key = self._interned[keys] = VarKey(next(_var_key_ids))
+            key.keys = keys
+        return key
 
     def _rng(self, entry: Entry, edge: str) -> torch.Tensor:
         """The RNG slot: fresh key data from torch's generator if the programs read it.
@@ -372,8 +419,9 @@ class Caller:
             # NOTE [torch.func]; forward-mode AD (forward_ad's dual tensors) too.
             entry, results = self.edges.transformed(self, call, write_back)
         else:
-            grad = torch.is_grad_enabled()
-            grads = tuple(grad and t.requires_grad for t in call.tensors)
+            tensors = call.tensors
+            grads = (tuple(map(_REQUIRES_GRAD, tensors)) if torch.is_grad_enabled()
+                     else (False,) * len(tensors))
             entry, state_arrays, leaves = self.prepare(call, grads, None, "eager")
             if entry.grad_slots:  # the edge: autograd only where a gradient is wanted
                 results = apply_bridge(entry, self.held, self.edges, state_arrays, *leaves)
@@ -381,5 +429,6 @@ class Caller:
                 fwd = entry.forward(state_arrays, leaves, entry.routes["eager"])
                 entry.exchange.wait(fwd.pending)
                 results = fwd.results
-        apply_write_back(write_back, entry.write_back, results, entry.n_out)
+        if entry.writes_back:
+            apply_write_back(write_back, entry.write_back, results, entry.n_out)
         return jtu.tree_unflatten(entry.out_treedef, results[: entry.n_out])

@@ -12,6 +12,8 @@ packed buffers. ``BridgeFunction`` is the eager edge; the ``torch.compile`` ops
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from typing import NamedTuple
 
@@ -35,6 +37,11 @@ from torchside._values import Holds, Route
 # buffers when it keeps it), and runs no program. The cost: a forward that is never
 # followed by a backward computed the gradients for nothing (evaluate under
 # ``torch.no_grad()``). ``torch.compile`` calls take the "residuals" route.
+
+
+# ``tuple.__new__(Cls, values)`` makes a NamedTuple in C; ``Cls(...)`` runs its Python
+# ``__new__`` first (a call more, on the per-call path).
+_new = tuple.__new__
 
 
 class Reusable(NamedTuple):
@@ -86,14 +93,14 @@ class Entry:
         nondiff_out: results torch treats as non-differentiable (ints, updates, outputs that
             depend on no differentiated leaf).
         grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
-        views: the ``GradientViews`` of packed gradient buffers, or ``None``.
+        views: how gradients are viewed out of the backward's buffers (``GradientViews``).
         key: a small int naming the entry inside its caller (``torch.compile``'s ops).
     """
 
     __slots__ = ("program", "exchange", "layout", "routes", "holds", "rng_read",
                  "write_back", "n_out", "n_results", "out_treedef", "nondiff_out",
-                 "diff_out_index", "grad_slots", "views", "key", "_executables",
-                 "_zero_cots", "_unreached", "__weakref__")
+                 "diff_out_index", "grad_slots", "views", "key", "writes_back", "_executables",
+                 "_zero_cots", "_unreached", "_splits", "__weakref__")
 
     def __init__(self, program, exchange, layout, views, routes: dict, key: int):
         self.program = program
@@ -103,7 +110,8 @@ class Entry:
         self.routes = routes
         self.holds: dict[str, Holds] = {}
         self.rng_read = layout.rng is not None and program.reads[layout.rng]
-        self.write_back = program.write_back
+        self.write_back = wb = program.write_back
+        self.writes_back = bool(wb.targets or wb.graph is not None)  # apply_write_back's test
         self.n_out = program.n_out
         self.n_results = len(program.out_specs)
         self.out_treedef = program.out_treedef
@@ -114,25 +122,64 @@ class Entry:
         self._executables: dict = {}
         self._zero_cots: dict = {}
         self._unreached: dict = {}
+        self._splits: dict = {}
 
     def holding(self, route: Route) -> Holds:
         """What a call on ``route`` holds (lowering ``forward_with_residuals`` if needed)."""
-        holds = self.holds.get(route.programs)
-        if holds is None:
+        try:  # (a subscript, not .get: no call on the per-call path)
+            return self.holds[route.programs]
+        except KeyError:
             holds = self.holds[route.programs] = Holds.of(route.programs, self.program,
                                                           self.layout)
         return holds
+
+    def saved_split(self, holds: Holds) -> tuple:
+        """Where ``holds.inputs`` has variables and where arguments: ``(at, slots)`` of each."""
+        try:
+            return self._splits[holds.inputs]
+        except KeyError:
+            split = None
+        if split is None:
+            stop = self.layout.variables.stop
+            var = [(k, j) for k, j in enumerate(holds.inputs) if j < stop]
+            arg = [(k, j) for k, j in enumerate(holds.inputs) if j >= stop]
+            split = self._splits[holds.inputs] = (
+                tuple(k for k, _ in var), tuple(j for _, j in var), tuple(k for k, _ in arg),
+                tuple(j for _, j in arg))
+        return split
 
     def run(self, kind: str, *args) -> tuple[list, list[torch.Tensor]]:
         """Runs program ``kind`` through the exchange: its result arrays and tensors.
 
         Returns before JAX has computed them: ``exchange.wait`` the arrays before anything
-        reads the tensors.
+        reads the tensors. Every program run of an entry goes through here (tests count
+        them by wrapping it: ``tests/support/pipeline.py``).
         """
-        exe = self._executables.get(kind)
-        if exe is None:  # compiled at the first call that needs it, then kept here
-            exe = self._executables[kind] = self.program.executable(kind)
-        return self.exchange.run(kind, exe, *args)
+        try:
+            exe, templates = self._executables[kind]
+        except KeyError:
+            exe, templates = self.executable(kind)
+        return self.exchange.run(kind, exe, templates, *args)
+
+    def executable(self, kind: str) -> tuple:
+        """Program ``kind``'s executable and its results' templates (``exchange.templates``).
+
+        Compiled at the first call that needs it, then kept in ``_executables``.
+        """
+        exe = self._executables[kind] = (self.program.executable(kind),
+                                         self.exchange.templates(self._results_of(kind)))
+        return exe
+
+    def _results_of(self, kind: str) -> tuple:
+        """The specs of what program ``kind`` returns (``flaxside``'s ``PROGRAMS``)."""
+        program = self.program
+        if kind == "forward":
+            return program.out_specs
+        if kind == "forward_with_residuals":
+            return (*program.out_specs, *program.residual_map().residual_specs)
+        if kind == "value_and_grad":
+            return (*program.out_specs, *program.grad_specs)
+        return program.grad_specs  # backward, backward_recompute
 
     def narrowed(self, j: int, tensor: torch.Tensor):
         """What the program takes for argument leaf ``j`` (int64) as int32.
@@ -150,7 +197,7 @@ class Entry:
         arguments = layout.arguments
         try:
             if not layout.narrow:
-                return state_arrays + [view(t) for t in leaves[arguments]]
+                return [*state_arrays, *map(view, leaves[arguments])]
             return state_arrays + [self.narrowed(j, t) if j in layout.narrow else view(t)
                                    for j, t in enumerate(leaves[arguments], arguments.start)]
         except TypeError:  # a tensor subclass without memory (a DTensor): name it
@@ -162,21 +209,27 @@ class Entry:
             raise
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, state_arrays: list, leaves, route: Route) -> Forward:
-        """Runs the forward program of ``route``; returns while JAX computes (``pending``)."""
+    def forward(self, state_arrays: list, leaves, route: Route, holds: Holds | None = None
+                ) -> Forward:
+        """Runs the forward program of ``route``; returns while JAX computes (``pending``).
+
+        ``holds``: the route's ``Holds``, where the caller has it already.
+        """
         out, tensors = self.run(route.forward, self.program_arrays(state_arrays, leaves))
         n = self.n_results
         if route.programs != "residuals":
-            return Forward(tensors[:n], tensors[n:], None, out)
-        holds = self.holding(route)
+            return _new(Forward, (tensors[:n], tensors[n:], None, out))
+        if holds is None:
+            holds = self.holding(route)
         # Offloaded residuals live in host memory, which the backward program does not take.
-        kept = [out[k] for k in holds.outputs] + out[n:]
+        # (``map(seq.__getitem__, index)``: in C, no Python call per item, on this path.)
+        kept = [*map(out.__getitem__, holds.outputs), *out[n:]]
         skip = (False,) * len(holds.outputs) + holds.offloaded
         if self.exchange.dlpack:
             own_arrays([tensors[k] for k in holds.outputs] + tensors[n:], kept)
-        reuse = tuple(None if off else Reusable(weakref.ref(a), a.unsafe_buffer_pointer())
-                      for a, off in zip(kept, skip, strict=True))
-        return Forward(tensors[:n], tensors[n:], reuse, out)
+        reuse = tuple([None if off else _new(Reusable, (weakref.ref(a), a.unsafe_buffer_pointer()))
+                       for a, off in zip(kept, skip, strict=True)])
+        return _new(Forward, (tensors[:n], tensors[n:], reuse, out))
 
     # -- backward ----------------------------------------------------------------------------
     def zero_cotangent(self, k: int):
@@ -194,17 +247,23 @@ class Entry:
 
         ``reuse``: ``Forward.reuse`` (``None``: nothing to reuse).
         """
-        exchange, variables, narrow = self.exchange, self.layout.variables, self.layout.narrow
+        exchange, narrow = self.exchange, self.layout.narrow
         a, b = holds.bounds
-
-        def view(j, t):
-            if j < variables.stop:
-                return held.get(j, t, exchange)
+        try:  # self.saved_split(holds), written out: no call once made
+            held_at, held_slots, other_at, other_slots = self._splits[holds.inputs]
+        except KeyError:
+            held_at, held_slots, other_at, other_slots = self.saved_split(holds)
+        inputs = [None] * a
+        # The variables' held arrays, all compared at once (NOTE [Held arrays per call]).
+        for k, array in zip(held_at, held.gather(held_slots, list(map(saved.__getitem__,
+                                                                      held_at)), exchange),
+                            strict=True):
+            inputs[k] = array
+        for k, j in zip(other_at, other_slots, strict=True):
             # Saved as given (int64); its values were checked by the forward, and torch's
             # version counter refuses an in-place change in between.
-            return exchange.narrowed_again(t) if j in narrow else exchange.view(t)
-
-        inputs = [view(j, t) for j, t in zip(holds.inputs, saved[:a], strict=True)]
+            inputs[k] = (exchange.narrowed_again(saved[k]) if j in narrow
+                         else exchange.view(saved[k]))
         rest = saved[a:]
         if reuse is None:
             arrays = [exchange.view(t) for t in rest]
@@ -217,7 +276,8 @@ class Entry:
                               else exchange.view(t))
         return inputs, arrays[: b - a], arrays[b - a :]
 
-    def backward(self, held: HeldArrays, route: Route, saved, reuse, cots) -> tuple:
+    def backward(self, held: HeldArrays, route: Route, saved, reuse, cots,
+                 holds: Holds | None = None) -> tuple:
         """The gradient buffers (``program.grad_pack``) of one call, and ``pending``.
 
         Args:
@@ -226,11 +286,14 @@ class Entry:
             saved: what ``save`` saved, as torch unpacked it.
             reuse: ``Forward.reuse`` of the call, or ``None``.
             cots: per differentiable output (``diff_out_index``), its cotangent or ``None``.
+            holds: the route's ``Holds``, where the caller has it already.
         """
         view = self.exchange.view
         cots = [self.zero_cotangent(k) if g is None else view(g)
                 for k, g in zip(self.diff_out_index, cots, strict=True)]
-        inputs, outputs, buffers = self.saved_arrays(held, self.holding(route), saved, reuse)
+        if holds is None:
+            holds = self.holding(route)
+        inputs, outputs, buffers = self.saved_arrays(held, holds, saved, reuse)
         if route.programs == "recompute":
             out, tensors = self.run("backward_recompute", inputs, cots)
         else:
@@ -241,26 +304,29 @@ class Entry:
         """Per leaf its gradient: views into the packed buffers, ``None`` where unreached.
 
         Views of one buffer share its memory; torch's ``AccumulateGrad`` takes each view as
-        the parameter's ``.grad`` without a copy. A leaf that no used output depends on
-        gets ``None``, as torch gives it: optimizers such as AdamW then leave it alone.
+        the parameter's ``.grad`` without a copy. Gradients of one shape side by side in a
+        buffer are viewed by one ``unbind`` (``GradientViews``). A leaf that no used output
+        depends on gets ``None``, as torch gives it: optimizers such as AdamW then leave it
+        alone.
         """
-        grads = buffers
-        views = self.views
-        if views is not None:
-            grads = [None] * views.count
-            for p, b in views.alone:
-                grads[p] = buffers[b]
-            for group in views.groups:
-                parts = torch._C._nn.unflatten_dense_tensors(buffers[group.buffer],
-                                                             group.templates)
-                for p, g in zip(group.positions, parts, strict=True):
-                    grads[p] = g
-        used = tuple(c is not None for c in cots)
-        none = self.unreached(used) if not all(used) else ()
-        out = [None] * len(self.layout.names)
-        for p, (slot, g) in enumerate(zip(self.grad_slots, grads, strict=True)):
-            if p not in none:
-                out[slot] = g
+        parts = []
+        for b, start, stop, shape, count in self.views.runs:
+            buffer = buffers[b]
+            if shape is None:
+                parts.append(buffer)
+            elif count < 0:  # ``shape``: templates for the whole buffer
+                parts += torch._C._nn.unflatten_dense_tensors(buffer, shape)
+            elif count == 1:
+                parts.append(buffer[start:stop].view(shape))
+            else:
+                parts += buffer[start:stop].view(count, *shape).unbind(0)
+        parts.append(None)
+        out = self.views.pick(parts)
+        used = list(map(operator.is_not, cots, itertools.repeat(None)))
+        if False in used:
+            out, slots = list(out), self.grad_slots
+            for p in self.unreached(tuple(used)):
+                out[slots[p]] = None
         return out
 
     def unreached(self, used: tuple[bool, ...]) -> frozenset:
@@ -285,26 +351,13 @@ def save(ctx, holds: Holds, leaves, results, buffers) -> None:
     the backward reads raise torch's version-counter error.
     """
     clones = holds.clones
-    inputs = ([leaves[i] for i in holds.inputs] if not clones else
+    inputs = (map(leaves.__getitem__, holds.inputs) if not clones else
               [leaves[i].clone() if i in clones else leaves[i] for i in holds.inputs])
-    ctx.save_for_backward(*inputs, *(results[k] for k in holds.outputs), *buffers)
-
-
-def keep(ctx, holds: Holds, leaves) -> None:
-    """Keeps, outside what torch saves, what a derivative of the backward reads besides.
-
-    The leaves ``holds.kept`` with their versions, and the state the owner overwrites
-    (NOTE [Higher order] in ``_higher.py``). They are inputs of this call, upstream of its
-    node, so no reference cycle forms; saved-tensor hooks (``save_on_cpu``) never see them,
-    so a first-order step holds and moves exactly what it saves.
-    """
-    index = holds.kept
-    ctx.kept = kept = [leaves[i] for i in index] if index else ()
-    ctx.kept_versions = [t._version for t in kept] if index else ()
-    ctx.state = {i: leaves[i] for i in holds.state} if holds.state else _NO_STATE
+    ctx.save_for_backward(*inputs, *map(results.__getitem__, holds.outputs), *buffers)
 
 
 _NO_STATE: dict = {}  # never written: a call without state shares it
+_VERSION = operator.attrgetter("_version")
 
 
 def scaled(buffers, cotangent: torch.Tensor) -> list[torch.Tensor]:
@@ -348,18 +401,30 @@ class BridgeFunction(torch.autograd.Function):
         # result until the wait (saved-tensor hooks run after we return), which also comes
         # first on an error: no return while JAX still reads the inputs.
         route = entry.routes["eager"]
-        fwd = entry.forward(state_arrays, leaves, route)
+        try:  # entry.holding(route), without a call once made
+            holds = entry.holds[route.programs]
+        except KeyError:
+            holds = entry.holding(route)
+        fwd = entry.forward(state_arrays, leaves, route, holds)
         try:
             results = fwd.results
-            ctx.mark_non_differentiable(*(results[k] for k in entry.nondiff_out))
+            if entry.nondiff_out:
+                ctx.mark_non_differentiable(*[results[k] for k in entry.nondiff_out])
             # Unused outputs get no gradient: materialised, each would be a zero tensor
             # allocated per backward.
             ctx.set_materialize_grads(False)
-            holds = entry.holding(route)
             save(ctx, holds, leaves, results, fwd.buffers)
-            keep(ctx, holds, leaves)
-            ctx.entry, ctx.held, ctx.edges, ctx.route, ctx.reuse = (entry, held, edges, route,
-                                                                     fwd.reuse)
+            # What a derivative of the backward reads besides (NOTE [Higher order] in
+            # _higher.py): the leaves ``holds.kept`` with their versions, and the state the
+            # owner overwrites. They are inputs of this call, upstream of its node, so no
+            # reference cycle forms; saved-tensor hooks (save_on_cpu) never see them, so a
+            # first-order step holds and moves exactly what it saves.
+            index = holds.kept
+            ctx.kept = kept = list(map(leaves.__getitem__, index)) if index else ()
+            ctx.kept_versions = list(map(_VERSION, kept)) if index else ()
+            ctx.state = ({i: leaves[i] for i in holds.state} if holds.state else _NO_STATE)
+            ctx.entry, ctx.held, ctx.edges, ctx.route, ctx.reuse, ctx.holds = (
+                entry, held, edges, route, fwd.reuse, holds)
         finally:
             entry.exchange.wait(fwd.pending)
         return tuple(results)
@@ -367,7 +432,7 @@ class BridgeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         entry, route = ctx.entry, ctx.route
-        cots = [grads[k] for k in entry.diff_out_index]
+        cots = list(map(grads.__getitem__, entry.diff_out_index))
         saved = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True (or torch.func.grad): torch differentiates these gradients
@@ -380,7 +445,7 @@ class BridgeFunction(torch.autograd.Function):
                 return (None,) * (4 + len(entry.layout.names))
             return (None, None, None, None, *entry.gradients(scaled(saved, cots[0]), cots))
         # The gradients are viewed out of their buffers while the program runs.
-        buffers, pending = entry.backward(ctx.held, route, saved, ctx.reuse, cots)
+        buffers, pending = entry.backward(ctx.held, route, saved, ctx.reuse, cots, ctx.holds)
         try:
             grads = entry.gradients(buffers, cots)
         finally:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import jax
 import torch
 
@@ -17,6 +20,7 @@ from torchside._values import AUTOCAST_MODES, Call, Settings
 from torchside._variables import FlaxVariables, attach_variables
 
 jtu = jax.tree_util
+_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 
 class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
@@ -190,39 +194,60 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
                               programs=programs)
 
     # -- the call -----------------------------------------------------------------------
-    def _call_mode(self):
-        """The mode a call compiles for: train/eval, and for NNX the module graph."""
-        return (self.training, self._graph) if self._nnx else self.training
-
     def _resolve(self, args: tuple, kwargs: dict) -> Call:
         """Step 1 of NOTE [Call path] (``resolve`` in ``_call.py``)."""
-        variables = self._variables()
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # Dynamo traces this: plain loops it knows, not map over C functions
+            variables = self._variables(traced=True)
+        else:
+            if any(map(_PRE_HOOKS, self._scopes)):  # (in C: no Python work per scope)
+                self._run_pre_hooks()
+            variables = self._current_tensors()
         if self._caller.plan is not None:
             variables = self._local_shards(variables)
-        return resolve(variables, args, kwargs, mode=self._call_mode(),
+        return resolve(variables, args, kwargs,
+                       mode=(self.training, self._graph) if self._nnx else self.training,
                        where=self._caller.where, autocast=self.autocast,
-                       is_param=self._is_param)
+                       is_param=self._is_param, compiling=compiling)
 
-    def _current_tensors(self) -> list[torch.Tensor]:
+    def _current_tensors(self, traced: bool = False) -> list[torch.Tensor]:
         """The variables' tensors now, read as torch modules read them.
 
         ``.to()``, ``load_state_dict(assign=True)`` and FSDP2 replace the entries, so they
         are read at every call. A parametrized (``torch.nn.utils.parametrize``) or pruned
         variable is no longer in ``_parameters``: the attribute gives its current value,
-        and gradients reach the original through torch's autograd.
+        and gradients reach the original through torch's autograd. ``traced``: Dynamo
+        traces this call (a plain loop).
         """
-        out = []
-        for scope, name, is_param in self._refs:
-            t = (scope._parameters if is_param else scope._buffers).get(name)
-            out.append(getattr(scope, name) if t is None else t)
+        if traced:
+            out = []
+            for scope, name, is_param in self._refs:
+                t = (scope._parameters if is_param else scope._buffers).get(name)
+                out.append(getattr(scope, name) if t is None else t)
+            return out
+        # Every scope's ``_parameters`` or ``_buffers`` dict, read by ``map`` (no Python
+        # call per variable); those torch modules never replace, only their entries.
+        tables = self.__dict__["_tables"] if "_tables" in self.__dict__ else None
+        if tables is None:
+            tables = self._tables = ([(s._parameters if p else s._buffers)
+                                      for s, _, p in self._refs], [n for _, n, _ in self._refs])
+        out = list(map(dict.get, *tables))
+        if not all(map(operator.is_not, out, itertools.repeat(None))):  # parametrized, pruned
+            out = [getattr(s, n) if t is None else t
+                   for t, (s, n, _) in zip(out, self._refs, strict=True)]
         return out
 
-    def _variables(self) -> list[torch.Tensor]:
+    def _variables(self, traced: bool = False) -> list[torch.Tensor]:
         """The variables a call reads, after the forward pre-hooks of their scopes.
 
         Hook-based weight transforms (``torch.nn.utils.prune``, the older ``weight_norm``
         and ``spectral_norm``) recompute a weight there, as if the scope were called.
         """
+        self._run_pre_hooks()
+        return self._current_tensors(traced)
+
+    def _run_pre_hooks(self) -> None:
+        """Runs the forward pre-hooks of the scopes (``_variables``)."""
         for scope in self._scopes:
             if scope._forward_pre_hooks:
                 with_kwargs = scope._forward_pre_hooks_with_kwargs
@@ -231,7 +256,6 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
                         hook(scope, (), {})
                     else:
                         hook(scope, ())
-        return self._current_tensors()
 
     def _write_back(self, wb, updates) -> None:
         """Step 5 of NOTE [Call path]: updated state into the buffers, the NNX graph after."""
@@ -248,7 +272,8 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
         if kwargs and self._forward_hooks:
             _refuse_keywords_opacus_drops(self, kwargs)
         call = self._resolve(args, kwargs)
-        return finish(call, self._caller(call, self._write_back))
+        outputs = self._caller(call, self._write_back)
+        return outputs if call.out_dtype is None else finish(call, outputs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):

@@ -154,7 +154,7 @@ class Signature(NamedTuple):
         arg_treedef: the structure of the call's ``(args, kwargs)``.
         statics: per argument leaf, ``ARRAY`` or the key of a static value.
         tensors: per tensor argument, its ``TensorKey``.
-        variables: per variable, its ``TensorKey``.
+        variables: the variables' ``TensorKey`` each, as a ``VarKey`` (``_call.py``).
         mode: the owner's mode (train/eval, the NNX graph).
         x64: whether JAX runs with 64-bit types.
         exchange: how tensors cross (``bridge.internal.exchange_for``: device and route).
@@ -163,7 +163,7 @@ class Signature(NamedTuple):
     arg_treedef: Any
     statics: tuple
     tensors: tuple[TensorKey, ...]
-    variables: tuple[TensorKey, ...]
+    variables: int
     mode: Hashable
     x64: bool
     exchange: Any
@@ -363,23 +363,19 @@ class Holds(NamedTuple):
         return leaves
 
 
-class ViewGroup(NamedTuple):
-    """Gradients viewed out of one packed buffer: their positions and shapes."""
-
-    buffer: int
-    positions: tuple[int, ...]
-    templates: tuple[torch.Tensor, ...]  # meta tensors, for the views' sizes
-
-
 class GradientViews(NamedTuple):
-    """How each gradient is viewed out of the backward's packed buffers.
+    """How ``Entry.gradients`` hands each leaf its gradient out of the backward's buffers.
 
     Attributes:
-        alone: ``(position, buffer)`` of the gradients that are a buffer of their own.
-        groups: the packed buffers' ``ViewGroup``s.
-        count: how many gradients there are.
+        runs: per run of gradients, ``(buffer, start, stop, shape, count)``: a buffer of
+            its own (``shape`` is ``None``), one gradient viewed out of a packed buffer
+            (``count`` 1), ``count`` gradients of one shape side by side in a packed
+            buffer, unbound in one op (``flaxside``'s ``pack_plan`` puts them so), or a
+            whole packed buffer viewed at once (``count`` -1; ``shape``: meta tensors of
+            the gradients' shapes, in order).
+        pick: from the runs' gradients in order, then ``None``, the list of gradients per
+            leaf of the layout (``None`` for a leaf without one).
     """
 
-    alone: tuple[tuple[int, int], ...]
-    groups: tuple[ViewGroup, ...]
-    count: int
+    runs: tuple[tuple, ...]
+    pick: Callable

@@ -218,6 +218,85 @@ def python_calls_per_call(tiny, repeats: int) -> float:
     return pstats.Stats(profile).total_calls / repeats
 
 
+def time_breakdown(tiny, calls: int) -> list[tuple[str, float, int]]:
+    """Where a cached forward+backward of TINY's ``FlaxModule`` spends its time (CPU route).
+
+    ``(step, median seconds per occurrence, occurrences per call)`` over ``calls`` calls
+    at one torch thread, each step timed by a wrapper (which adds a little to each): the
+    two program dispatches, the views of arguments and cotangents, the held arrays'
+    check, the gradients' views, the waits, and the whole forward and backward.
+    """
+    from bridge import _held
+    from torchside import _entry
+
+    layer = FlaxModule(tiny.module, variables=tiny.variables)
+    x, ct = torch_inputs(tiny)
+    layer(x).backward(ct)  # compiles
+    times: dict[str, list[float]] = {}
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            times.setdefault(label, []).append(time.perf_counter() - start)
+            return out
+        return wrapper
+
+    entry = layer._caller.entries[-1]
+    executables = dict(entry._executables)
+    last_args = {}
+
+    def keeping(kind, fn):
+        def wrapper(*args):
+            last_args[kind] = args
+            return fn(*args)
+        return wrapper
+
+    for kind, (exe, templates) in executables.items():
+        entry._executables[kind] = (timed(f"program dispatch: {kind}", keeping(kind, exe)),
+                                    templates)
+    patched = [(bridge_exchange.CpuExchange, "view", "a view of an argument or cotangent"),
+               (bridge_exchange.CpuExchange, "wait", "a wait for a program's results"),
+               (_held.HeldArrays, "arrays", "the held arrays' check (forward)"),
+               (_held.HeldArrays, "gather", "the held arrays' check (backward)"),
+               (_entry.Entry, "gradients", "the gradients viewed out of their buffer")]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patched]
+    threads = torch.get_num_threads()
+    try:
+        for owner, name, label in patched:
+            fn = getattr(owner, name)
+            setattr(owner, name, staticmethod(timed(label, fn)) if isinstance(
+                owner.__dict__[name], staticmethod) else timed(label, fn))
+        torch.set_num_threads(1)
+        for _ in range(calls):
+            start = time.perf_counter()
+            y = layer(x)
+            mid = time.perf_counter()
+            y.backward(ct)
+            times.setdefault("forward, whole", []).append(mid - start)
+            times.setdefault("backward, whole", []).append(time.perf_counter() - mid)
+            layer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+        entry._executables.update(executables)
+    # The same dispatch back to back, nothing else run between (caches and JAX's threads
+    # warm): what it costs in a tight loop, against its share of a real step above.
+    exe, _ = executables["forward_with_residuals"]
+    args = last_args["forward_with_residuals"]
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = exe(*args)
+        times.setdefault("program dispatch: forward_with_residuals, back to back", []).append(
+            time.perf_counter() - start)
+        for a in out:
+            a.block_until_ready()
+    skip = calls // 4  # settling
+    return [(label, statistics.median(t[skip * len(t) // calls:]), len(t) // calls)
+            for label, t in times.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensors", type=int, default=DEFAULTS["tensors"],
@@ -240,6 +319,8 @@ def main() -> None:
     tensors = cuda_tensor_rows(n, repeats) if args.device == "cuda" else tensor_rows(n, repeats)
     profiled = host_profile(12, repeats) if args.device == "cuda" else None
     tiny = tiny_workload()
+    breakdown = (time_breakdown(tiny, max(40 * repeats, 200)) if args.device == "cpu"
+                 else [])
     row = call_row(tiny)
     python_calls = python_calls_per_call(tiny, max(repeats, 10))
     times, base = row["times"], row["times"]["torch"]
@@ -260,6 +341,15 @@ def main() -> None:
         print(f"{name.ljust(width)}  {seconds * 1e6:7.0f} us  {seconds / base:.2f}x torch eager")
     print(f"Python function calls per cached forward+backward of TINY's FlaxModule: "
           f"{python_calls:.0f}")
+    breakdown_lines = []
+    if breakdown:
+        breakdown_lines = [
+            "Where a cached forward+backward of TINY's FlaxModule spends its time (CPU "
+            "route, one torch thread, each step timed by a wrapper; median per occurrence):",
+            "", _docs.md_table(["step", "time", "per call"],
+                               [[s, f"{t * 1e6:.1f} us", str(n)] for s, t, n in breakdown]),
+            ""]
+        print("\n".join(breakdown_lines))
     profile_lines = []
     if profiled is not None:
         describe, per_call, rows = profiled
@@ -287,7 +377,7 @@ def main() -> None:
             "",
             f"Python function calls per cached forward+backward of TINY's FlaxModule "
             f"(cProfile): {python_calls:.0f}.",
-            "", *profile_lines,
+            "", *breakdown_lines, *profile_lines,
         ])
         block = "call_costs" if args.device == "cpu" else f"call_costs_{args.device}"
         _docs.write_block(args.docs, block, body)

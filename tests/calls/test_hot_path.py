@@ -1,4 +1,4 @@
-"""A cached call runs in four library files (NOTE [Call path] in ``torchside/_call.py``).
+"""A cached call runs in five library files (NOTE [Call path] in ``torchside/_call.py``).
 
 A cached eager forward and backward of a ``FlaxModule`` is profiled (cProfile) and the
 library files whose code ran are compared with the four that NOTE names; the DLPack route
@@ -22,7 +22,7 @@ from torchside import FlaxModule
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("bridge", "flaxside", "torchside")
 HOT = {"torchside/_module.py", "torchside/_call.py", "torchside/_entry.py",
-       "bridge/_exchange.py"}
+       "bridge/_exchange.py", "bridge/_held.py"}
 
 
 class MLP(nn.Module):
@@ -54,7 +54,7 @@ def _files_run(step) -> set[str]:
 @pytest.mark.parametrize("residuals", ["save", "split", "recompute"])
 @pytest.mark.parametrize("loss", [False, True], ids=["output", "loss-inside"])
 @pytest.mark.parametrize("mode", ["auto", "dlpack"])
-def test_a_cached_forward_and_backward_runs_in_four_files(residuals, loss, mode):
+def test_a_cached_forward_and_backward_runs_in_five_files(residuals, loss, mode):
     previous = bridge.set_exchange_mode(mode)
     try:
         m = FlaxModule(MLP(loss), example_args=(torch.zeros(4, 8),), residuals=residuals)
