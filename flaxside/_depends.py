@@ -5,10 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-try:  # jax >= 0.4.36
-    from jax.extend.core import Var
-except ImportError:  # pragma: no cover - older jax
-    from jax.core import Var
+from flaxside import jaxprs
 
 
 def input_masks(jaxpr) -> list[int]:
@@ -26,15 +23,15 @@ def input_masks(jaxpr) -> list[int]:
         [1, 3]
     """
     masks = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
-    for eqn in jaxpr.eqns:
+    for eqn in jaxprs.walk(jaxpr):
         m = 0
         for v in eqn.invars:
-            if isinstance(v, Var):
+            if jaxprs.is_var(v):
                 m |= masks.get(v, 0)
         if m:
             for v in eqn.outvars:
                 masks[v] = m
-    return [masks.get(v, 0) if isinstance(v, Var) else 0 for v in jaxpr.outvars]
+    return [masks.get(v, 0) if jaxprs.is_var(v) else 0 for v in jaxpr.outvars]
 
 
 def linear_in_cotangent(jaxpr) -> bool:
@@ -45,20 +42,15 @@ def linear_in_cotangent(jaxpr) -> bool:
     for a cotangent of one that a scaled loss (``torch.amp.GradScaler``) would keep. Either,
     anywhere in ``jaxpr`` or the jaxprs its equations call, answers ``False``.
     """
-    for v in jaxpr.invars:
-        if getattr(v.aval, "dtype", None) == "float16":
-            return False
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name.startswith("custom_vjp"):
-            return False
-        if any(getattr(v.aval, "dtype", None) == "float16" for v in eqn.outvars):
-            return False
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-                if hasattr(sub, "eqns") and not linear_in_cotangent(sub):
-                    return False
-    return True
+    def float16(v) -> bool:
+        return getattr(v.aval, "dtype", None) == "float16"
+
+    # An equation's operands as well as its outputs: a float16 literal handed to a call is
+    # a float16 input of the jaxpr it calls.
+    return not (any(map(float16, jaxpr.invars))
+                or any(eqn.primitive.name.startswith("custom_vjp")
+                       or any(map(float16, eqn.invars)) or any(map(float16, eqn.outvars))
+                       for eqn in jaxprs.walk(jaxpr, deep=True)))
 
 
 def same_up_to_batch(big, small, n: int) -> bool:
@@ -86,9 +78,9 @@ def same_up_to_batch(big, small, n: int) -> bool:
             for k, (x, y) in enumerate(zip(a, b, strict=True)))
 
     def values(a, b) -> bool:
-        if isinstance(a, Var) != isinstance(b, Var):
+        if jaxprs.is_var(a) != jaxprs.is_var(b):
             return False
-        if not isinstance(a, Var) and not np.array_equal(np.asarray(a.val), np.asarray(b.val)):
+        if not jaxprs.is_var(a) and not np.array_equal(np.asarray(a.val), np.asarray(b.val)):
             return False
         ta, tb = a.aval, b.aval
         return (getattr(ta, "dtype", None) == getattr(tb, "dtype", None)
@@ -100,8 +92,8 @@ def same_up_to_batch(big, small, n: int) -> bool:
                     and len(a.consts) == len(b.consts)
                     and all(np.array_equal(x, y) for x, y in zip(a.consts, b.consts,
                                                                    strict=True)))
-        if hasattr(a, "eqns"):
-            return hasattr(b, "eqns") and programs(a, b)
+        if isinstance(a, jaxprs.Jaxpr):
+            return isinstance(b, jaxprs.Jaxpr) and programs(a, b)
         if isinstance(a, tuple | list):
             if all(isinstance(x, int) for x in a) and all(isinstance(y, int) for y in b):
                 return type(a) is type(b) and shapes(tuple(a), tuple(b))
@@ -117,13 +109,14 @@ def same_up_to_batch(big, small, n: int) -> bool:
             return False
 
     def programs(a, b) -> bool:
-        if (len(a.eqns), len(a.invars), len(a.outvars)) != (
-                len(b.eqns), len(b.invars), len(b.outvars)):
+        eqns_a, eqns_b = list(jaxprs.walk(a)), list(jaxprs.walk(b))
+        if (len(eqns_a), len(a.invars), len(a.outvars)) != (
+                len(eqns_b), len(b.invars), len(b.outvars)):
             return False
         if not all(values(x, y) for x, y in zip(a.invars + a.outvars, b.invars + b.outvars,
                                                  strict=True)):
             return False
-        for ea, eb in zip(a.eqns, b.eqns, strict=True):
+        for ea, eb in zip(eqns_a, eqns_b, strict=True):
             if (ea.primitive is not eb.primitive or ea.params.keys() != eb.params.keys()
                     or len(ea.invars) != len(eb.invars) or len(ea.outvars) != len(eb.outvars)):
                 return False

@@ -1,6 +1,6 @@
 """A first-order call's VJP from what its forward saved, as functions one can differentiate.
 
-NOTE [Given residuals]. The first order's forward returns, besides the results, what its
+NOTE [Given VJP]. The first order's forward returns, besides the results, what its
 backward reads: some results (``saved_outputs``) and the residual buffers, together
 ``z``. Both are functions of the leaves, ``z = Z(leaves)``, computed already. A derivative
 of the backward (``create_graph``) used to call the VJP as a whole (``vjp_function``),
@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flaxside import jaxprs
 from flaxside._bodies import replaced, vjp_sources
 from flaxside._on_device import OnDevice
 from flaxside._pack import unpack
@@ -37,7 +38,7 @@ jtu = jax.tree_util
 
 
 def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
-    """``(apply, transpose)`` (NOTE [Given residuals]), or ``None`` where it does not apply.
+    """``(apply, transpose)`` (NOTE [Given VJP]), or ``None`` where it does not apply.
 
     ``wanted``: positions in ``diff_index`` whose gradients both return, in that order
     (``None``: all), as ``vjp_function`` takes them.
@@ -86,20 +87,19 @@ def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
     closed = jax.make_jaxpr(traced)(avals, z_shapes)
     jaxpr, n_z = closed.jaxpr, len(z_shapes)
     given_vars = jaxpr.outvars[:n_z]
-    if not all(map(_is_var, given_vars)) or len(set(given_vars)) != n_z:
+    if not all(map(jaxprs.is_var, given_vars)) or len(set(given_vars)) != n_z:
         return None  # a constant, or one value twice: nothing the forward made alone
     given = set(given_vars)
-    for eqn in jaxpr.eqns:  # the forward goes only where z's producers make nothing else
-        made = [v for v in eqn.outvars if not _dropped(v)]
+    for eqn in jaxprs.walk(jaxpr):  # the forward goes only where z's producers make nothing else
+        made = [v for v in eqn.outvars if not jaxprs.dropped(v)]
         if any(v in given for v in made) and not all(v in given for v in made):
             return None
-    live = _live_eqns(jaxpr, jaxpr.outvars[n_z:], given)
+    live = jaxprs.live(jaxpr, jaxpr.outvars[n_z:], given)
 
     def transpose(leaves, z, z_cotangents):
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, [*leaves, *unpacked(z_cotangents)], strict=True))
-        env.update(zip(given_vars, unpacked(z), strict=True))
-        return _evaluate(live, env, jaxpr.outvars[n_z:])
+        return jaxprs.evaluate(jaxpr, closed.consts, [*leaves, *unpacked(z_cotangents)],
+                               eqns=live, given=dict(zip(given_vars, unpacked(z), strict=True)),
+                               outvars=jaxpr.outvars[n_z:])
 
     return apply, transpose
 
@@ -107,42 +107,3 @@ def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
 def _z_dtypes(program: Program, rmap) -> list:
     return ([program.out_specs[k].dtype for k in rmap.saved_outputs]
             + [s.dtype for s in rmap.residual_specs])
-
-
-def _is_var(v) -> bool:
-    return not isinstance(v, jax.extend.core.Literal)
-
-
-def _dropped(v) -> bool:
-    return type(v).__name__ == "DropVar"
-
-
-def _live_eqns(jaxpr, outvars, given: set) -> list:
-    """The equations ``outvars`` need, ``given`` variables known: in order, dead ones out."""
-    needed = {v for v in outvars if _is_var(v)}
-    live = []
-    for eqn in reversed(jaxpr.eqns):
-        made = [v for v in eqn.outvars if not _dropped(v)]
-        if eqn.effects or any(v in needed and v not in given for v in made):
-            live.append(eqn)
-            needed.update(v for v in eqn.invars if _is_var(v))
-    return live[::-1]
-
-
-def _evaluate(eqns, env: dict, outvars) -> list:
-    """``eqns`` bound on the values in ``env`` (as ``jax.core.eval_jaxpr`` does)."""
-    def read(v):
-        return v.val if not _is_var(v) else env[v]
-
-    for eqn in eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        # jax 0.10 returns the parameters (sub-functions among them), older JAX
-        # ``(sub-functions, parameters)``.
-        subfuns, params = params if isinstance(params, tuple) else ((), params)
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
-        out = out if eqn.primitive.multiple_results else [out]
-        for v, x in zip(eqn.outvars, out, strict=True):
-            if not _dropped(v) and v not in env:
-                env[v] = x
-    return [read(v) for v in outvars]

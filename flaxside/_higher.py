@@ -1,6 +1,6 @@
 """A program's derivatives as plain JAX functions, for derivatives of any order.
 
-NOTE [Higher order]. A torch caller that differentiates a call again (``create_graph``,
+NOTE [Derivative functions]. A torch caller that differentiates a call again (``create_graph``,
 ``torch.func``) needs the call's derivatives as functions it can call, and differentiate,
 in turn. Each function here is built from a ``Program``'s own traced body, so it computes
 exactly what the program's first-order executables compute:
@@ -30,9 +30,9 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
+from flaxside import jaxprs
 from flaxside._bodies import replaced
 from flaxside._conventions import conj
 from flaxside._leaves import is_key
@@ -124,10 +124,10 @@ def _moved_axes(jaxpr) -> tuple[int, ...]:
     exactly that move (a ``transpose`` bringing one axis to the front), the axis it moves;
     else 0. Asking ``vmap`` for the batch there returns the result without the copy.
     """
-    made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    made = jaxprs.producers(jaxpr)
     axes = []
     for v in jaxpr.outvars:
-        eqn, axis = made.get(id(v)), 0
+        eqn, axis = made.get(v) if jaxprs.is_var(v) else None, 0
         if eqn is not None and eqn.primitive.name == "transpose":
             perm = tuple(eqn.params["permutation"])
             if perm == (perm[0], *range(perm[0]), *range(perm[0] + 1, len(perm))):
@@ -283,14 +283,13 @@ def vjp_work(program: Program, wanted: tuple[int, ...] | None = None) -> float:
 
 def _work(jaxpr) -> float:
     total = 0.0
-    for eqn in jaxpr.eqns:
+    for eqn in jaxprs.walk(jaxpr):
         if eqn.primitive.name == "dot_general":
             (contracted, _), _ = eqn.params["dimension_numbers"]
             k = math.prod(eqn.invars[0].aval.shape[d] for d in contracted)
             total += 2 * k * math.prod(eqn.outvars[0].aval.shape)
             continue
-        inner = [_work(j.jaxpr if isinstance(j, jax.extend.core.ClosedJaxpr) else j)
-                 for j in _sub_jaxprs(eqn.params)]
+        inner = [_work(j) for j in jaxprs.sub_jaxprs(eqn)]
         if eqn.primitive.name == "scan":
             total += eqn.params["length"] * sum(inner)
         elif eqn.primitive.name == "cond":
@@ -300,16 +299,6 @@ def _work(jaxpr) -> float:
         else:
             total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
     return total
-
-
-def _sub_jaxprs(params) -> list:
-    kinds = (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
-    out = []
-    for v in params.values():
-        for x in (v if isinstance(v, tuple) else (v,)):
-            if isinstance(x, kinds):
-                out.append(x)
-    return out
 
 
 def _avals(leaves) -> tuple:

@@ -6,7 +6,8 @@ partitioner gathers each slice separately where it is used: one collective, a ro
 per parameter per iteration and per use, forward and backward. ``remat_stack`` owns its
 loops and packs a layer instead (NOTE [One collective per layer] in ``_placement.py``); a
 stock block's loops are Flax's, so ``packed_scans`` reaches them through the jaxpr: the
-function is traced once and that jaxpr evaluated again, equation by equation, following
+function is traced once and that jaxpr evaluated again by the one interpreter (NOTE [One
+interpreter] in ``jaxprs/_interpret.py``; this meaning's rules are ``_RULES``), following
 each leaf split over the batch axes (``ProgramLeaf.dim``) into the loops that slice it:
 
 * into a ``scan`` that takes it as a scanned input, its dimension one lower in the body (a
@@ -45,15 +46,12 @@ function computes what it computed; only where its stacked parameters are gather
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-try:  # jax >= 0.4.36
-    from jax.extend.core import Literal, Var
-except ImportError:  # pragma: no cover - older jax
-    from jax.core import Literal, Var
-
+from flaxside import jaxprs
 from flaxside._mesh_leaves import traced_again
 
 jtu = jax.tree_util
@@ -115,11 +113,11 @@ def packed_scans(fn: Callable, read: list, dims: list, gather: Callable,
 def _direct(jaxpr, marks: dict) -> list:
     """The marked inputs of ``jaxpr`` read other than by handing them down to a loop."""
     used = set()
-    for eqn in jaxpr.eqns:
+    for eqn in jaxprs.walk(jaxpr):
         down = handed_down(eqn)
         used.update(v for k, v in enumerate(eqn.invars)
-                    if isinstance(v, Var) and v in marks and k not in down)
-    used.update(v for v in jaxpr.outvars if isinstance(v, Var) and v in marks)
+                    if jaxprs.is_var(v) and v in marks and k not in down)
+    used.update(v for v in jaxpr.outvars if jaxprs.is_var(v) and v in marks)
     return [v for v in jaxpr.invars if v in used]
 
 
@@ -129,25 +127,23 @@ def reached_in_loops(jaxpr, marks: dict, in_loop: bool) -> bool:
     Handed down by scans (never sliced on its split dimension: a slice on one rank) and
     checkpoints; outside every loop, read by nothing else.
     """
-    for eqn in jaxpr.eqns:
+    for eqn in jaxprs.walk(jaxpr):
         down = handed_down(eqn)
         for k, v in enumerate(eqn.invars):
-            if not (isinstance(v, Var) and v in marks):
+            if not (jaxprs.is_var(v) and v in marks):
                 continue
             if k not in down:
                 if not in_loop:
                     return False
                 continue
+            body, _ = jaxprs.body_of(eqn)
             if eqn.primitive.name == "scan":
-                body = eqn.params["jaxpr"].jaxpr
                 if not marks[v] or not reached_in_loops(
                         body, {body.invars[k]: marks[v] - 1}, in_loop=True):
                     return False
-            else:
-                body = eqn.params["jaxpr"]
-                if not reached_in_loops(body, {body.invars[k]: marks[v]}, in_loop):
-                    return False
-    return in_loop or not any(isinstance(v, Var) and v in marks for v in jaxpr.outvars)
+            elif not reached_in_loops(body, {body.invars[k]: marks[v]}, in_loop):
+                return False
+    return in_loop or not any(jaxprs.is_var(v) and v in marks for v in jaxpr.outvars)
 
 
 def handed_down(eqn) -> range:
@@ -155,9 +151,17 @@ def handed_down(eqn) -> range:
     name = eqn.primitive.name
     if name == "scan":
         return range(eqn.params["num_consts"] + eqn.params["num_carry"], len(eqn.invars))
-    if name == "remat2" and not eqn.params["jaxpr"].constvars:
+    if name == "remat2" and jaxprs.runs_again(eqn):
         return range(len(eqn.invars))
     return range(0)
+
+
+class _Gathering(NamedTuple):
+    """What the rules read: the split inputs (``{var: dim}``), the gather, inside a loop."""
+
+    marks: dict
+    gather: Callable
+    in_loop: bool
 
 
 def evaluate(jaxpr, consts, args, marks: dict, gather, in_loop) -> list:
@@ -166,72 +170,43 @@ def evaluate(jaxpr, consts, args, marks: dict, gather, in_loop) -> list:
     ``in_loop``: whether ``jaxpr`` runs inside a scan's body (outside every loop, nothing
     is gathered: the partitioner gathers such a read once).
     """
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     direct = _direct(jaxpr, marks) if in_loop else []
     if direct:  # read here: gathered once, before anything else; handed down no further
-        gathered = gather([env[v] for v in direct], [marks[v] for v in direct])
-        env.update((v, checkpoint_name(x, GATHERED))
-                   for v, x in zip(direct, gathered, strict=True))
+        at = {v: k for k, v in enumerate(jaxpr.invars)}
+        gathered = gather([args[at[v]] for v in direct], [marks[v] for v in direct])
+        args = list(args)
+        for v, x in zip(direct, gathered, strict=True):
+            args[at[v]] = checkpoint_name(x, GATHERED)
         marks = {v: d for v, d in marks.items() if v not in direct}
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        down = {k: marks[v] for k, v in enumerate(eqn.invars)
-                if isinstance(v, Var) and v in marks}
-        name = eqn.primitive.name
-        if down and name == "scan":
-            outs = _scan(eqn, invals, down, gather)
-        elif down and name == "remat2" and not eqn.params["jaxpr"].constvars:
-            outs = _remat(eqn, invals, down, gather, in_loop)
-        else:
-            outs = _bind(eqn, invals)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    return jaxprs.evaluate(jaxpr, consts, args, _RULES, _Gathering(marks, gather, in_loop))
 
 
-def _bind(eqn, invals) -> list:
-    """``eqn`` bound on ``invals`` as traced (as ``jax.core.eval_jaxpr`` binds it)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)  # jax < 0.9
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return out if eqn.primitive.multiple_results else [out]
+def _down(state: _Gathering, eqn) -> dict:
+    """``{position: dim}``: which of ``eqn``'s inputs are split leaves."""
+    return {k: state.marks[v] for k, v in enumerate(eqn.invars)
+            if jaxprs.is_var(v) and v in state.marks}
 
 
-def _scan(eqn, invals, down: dict, gather) -> list:
-    """A scan whose scanned inputs at ``down`` (``{position: dim}``) are split leaves."""
-    p = eqn.params
-    closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
-    body = closed.jaxpr
+def _scan(state: _Gathering, eqn, invals) -> list | None:
+    """A scan whose scanned inputs are split leaves: its body gathers each layer."""
+    n_sliced = eqn.params["num_consts"] + eqn.params["num_carry"]
+    body, consts = jaxprs.body_of(eqn)
     # The body's slice of a leaf split on dim d is split on d - 1; on the scanned axis
     # itself (d == 0) each slice lives on one rank: left to the partitioner.
-    marks = {body.invars[k]: d - 1 for k, d in down.items() if k >= n_consts + n_carry and d}
+    marks = {body.invars[k]: d - 1 for k, d in _down(state, eqn).items() if k >= n_sliced and d}
     if not marks:
-        return _bind(eqn, invals)
-    consts = invals[:n_consts]
+        return None
 
-    def run(consts, carry, xs):
-        return evaluate(body, closed.consts, [*consts, *carry, *xs], marks, gather, True)
+    def run(args):
+        return evaluate(body, consts, args, marks, state.gather, True)
 
     direct = _direct(body, marks)
-    if direct:  # gathered here: not kept for the backward (NOTE above)
-        refused = _refused(body, direct, gather, [marks[v] for v in direct])
-        run = jax.checkpoint(run, prevent_cse=False,
-                             policy=lambda prim, *_, **__: prim.name not in refused)
-
-    def step(carry, xs):
-        out = run(consts, carry, xs)
-        return out[:n_carry], out[n_carry:]
-
-    carry, ys = jax.lax.scan(step, invals[n_consts : n_consts + n_carry],
-                             invals[n_consts + n_carry :], length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys]
+    if not direct:
+        return jaxprs.again(eqn, invals, run)
+    # Gathered here: not kept for the backward (NOTE above).
+    refused = _refused(body, direct, state.gather, [marks[v] for v in direct])
+    return jaxprs.again(eqn, invals, run,
+                        policy=lambda prim, *_, **__: prim.name not in refused)
 
 
 def _refused(body, direct: list, gather, dims) -> frozenset:
@@ -245,51 +220,39 @@ def _refused(body, direct: list, gather, dims) -> frozenset:
     layer-sized too), and saves every other value; what it refuses is recomputed in the
     backward, from the layer gathered again.
     """
-    names = set(_primitives(jax.make_jaxpr(lambda xs: gather(xs, dims))(
-        [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in direct]).jaxpr))
+    names = jaxprs.primitives(jax.make_jaxpr(lambda xs: gather(xs, dims))(
+        [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in direct]).jaxpr)
     layer = set(direct) | set(body.constvars)
-    for eqn in body.eqns:
-        if all(not isinstance(v, Var) or v in layer for v in eqn.invars):
+    for eqn in jaxprs.walk(body):
+        if all(not jaxprs.is_var(v) or v in layer for v in eqn.invars):
             layer.update(eqn.outvars)
             names.add(eqn.primitive.name)
-            names.update(_primitives(eqn))
+            names.update(*map(jaxprs.primitives, jaxprs.sub_jaxprs(eqn)))
     return frozenset(names | {"name"})
 
 
-def _primitives(node) -> set:
-    """The names of the primitives in a jaxpr, or in an equation's inner jaxprs, at any depth."""
-    if hasattr(node, "eqns"):
-        out = set()
-        for eqn in node.eqns:
-            out.add(eqn.primitive.name)
-            out |= _primitives(eqn)
-        return out
-    out = set()
-    for value in getattr(node, "params", {}).values():
-        for sub in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(sub, "eqns"):
-                out |= _primitives(sub)
-            elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                out |= _primitives(sub.jaxpr)
-    return out
-
-
-def _remat(eqn, invals, down: dict, gather, in_loop) -> list:
-    """A checkpoint whose arguments at ``down`` are split leaves, with its own policy."""
-    p = eqn.params
-    body = p["jaxpr"]
+def _remat(state: _Gathering, eqn, invals) -> list | None:
+    """A checkpoint whose arguments are split leaves, with its own policy."""
+    down = _down(state, eqn)
+    if not down or not jaxprs.runs_again(eqn):
+        return None
+    body, _ = jaxprs.body_of(eqn)
     marks = {body.invars[k]: d for k, d in down.items()}
 
-    def run(*args):
-        return evaluate(body, (), list(args), marks, gather, in_loop)
+    def run(args):
+        return evaluate(body, (), args, marks, state.gather, state.in_loop)
 
-    policy = p["policy"]
-    direct = _direct(body, marks) if in_loop else []
-    if direct and policy is not None:  # a policy that may save anything saves no layer
-        refused = _refused(body, direct, gather, [marks[v] for v in direct])
-        saves = policy
+    policy = eqn.params["policy"]
+    direct = _direct(body, marks) if state.in_loop else []
+    if not direct or policy is None:  # a policy that may save anything saves no layer
+        return jaxprs.again(eqn, invals, run)
+    refused = _refused(body, direct, state.gather, [marks[v] for v in direct])
 
-        def policy(prim, *args, **params) -> bool:
-            return prim.name not in refused and saves(prim, *args, **params)
+    def refusing(prim, *args, **params) -> bool:
+        return prim.name not in refused and policy(prim, *args, **params)
 
-    return jax.checkpoint(run, prevent_cse=p["prevent_cse"], policy=policy)(*invals)
+    return jaxprs.again(eqn, invals, run, policy=refusing)
+
+
+# The meaning (NOTE [One interpreter]): loops that slice a split leaf gather it in the body.
+_RULES = {"scan": _scan, "remat2": _remat}

@@ -50,7 +50,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxside._depends import Var, same_closed_up_to_batch
+from flaxside import jaxprs
+from flaxside._depends import same_closed_up_to_batch
 from flaxside._pack import pack_by_rank, sharded_by_dtype, unpack_by_rank
 
 jtu = jax.tree_util
@@ -241,8 +242,8 @@ def read_outside(jaxpr, k: int) -> bool:
     """
     source = jaxpr.invars[k]
     reads = {source}
-    for eqn in jaxpr.eqns:
-        uses = [v for v in eqn.invars if isinstance(v, Var) and v in reads]
+    for eqn in jaxprs.walk(jaxpr):
+        uses = [v for v in eqn.invars if jaxprs.is_var(v) and v in reads]
         if not uses:
             continue
         name = eqn.primitive.name
@@ -250,7 +251,7 @@ def read_outside(jaxpr, k: int) -> bool:
             reads.add(eqn.outvars[0])
         elif name != "shard_map" or any(v is not source for v in uses):
             return True
-    return any(v in reads for v in jaxpr.outvars if isinstance(v, Var))
+    return any(v in reads for v in jaxpr.outvars if jaxprs.is_var(v))
 
 
 def refuse_unreduced(reduces: list) -> None:

@@ -5,7 +5,8 @@ NOTE [Summed squares]. Fast gradient clipping needs each sample's gradient norm 
 stacks every sample's gradient of every layer (a scan's outputs are stacked) and the norm
 reduces the stack afterwards: the per-sample gradients exist in full, as XLA temporaries,
 as large as the per-sample gradients torch would hold. ``summed_squares`` traces the
-function once to a jaxpr and evaluates it again, equation by equation, moving each
+function once to a jaxpr and evaluates it again by the one interpreter (NOTE [One
+interpreter] in ``jaxprs/_interpret.py``; this meaning's rules are ``_RULES``), moving each
 output's sum of squares (over every axis but the batch's) to where its value is made:
 
 * into a ``scan`` that stacks it: the body returns its slice's sums (the batch one axis
@@ -26,21 +27,13 @@ least (``torch.linalg.vector_norm`` of a bfloat16 tensor does), layer by layer.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-try:  # jax >= 0.4.36
-    from jax.extend.core import Literal, Var
-except ImportError:  # pragma: no cover - older jax
-    from jax.core import Literal, Var
-
-from flaxside._packed_scans import _bind
-
-# Calls of a closed jaxpr, and the parameter that holds it.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
+from flaxside import jaxprs
 
 
 def summed_squares(f: Callable, args: list, axes: tuple[int, ...]) -> tuple[list, list]:
@@ -63,87 +56,82 @@ def squares(x, axis: int):
     return jnp.sum(sq, axis=tuple(a for a in range(x.ndim) if a != axis))
 
 
+class _Reducing(NamedTuple):
+    """What the rules read: which values are carried reduced, and where each is reduced.
+
+    ``reduced``: ``{var: batch axis}``; ``moves``: per equation (by ``id``) that makes one
+    as its own output, ``{output position: batch axis}``.
+    """
+
+    reduced: dict
+    moves: dict
+
+
 def _evaluate(jaxpr, consts, args, want: dict) -> list:
     """``jaxpr``'s outputs, the ones in ``want`` (``{position: batch axis}``) as summed squares."""
-    uses = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var))
-    uses.update(v for v in jaxpr.outvars if isinstance(v, Var))
-    # Backward: which values are carried reduced ({var: batch axis}), and how each
-    # equation making one reduces it (``moves``: {equation index: {output: axis}}).
+    uses = jaxprs.uses(jaxpr)
+    # Backward: which values are carried reduced, and how each equation making one
+    # reduces it.
     reduced = {v: want[k] for k, v in enumerate(jaxpr.outvars)
-               if k in want and isinstance(v, Var) and uses[v] == 1}
+               if k in want and jaxprs.is_var(v) and uses[v] == 1}
     moves = {}
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn = jaxpr.eqns[i]
+    for eqn in reversed(list(jaxprs.walk(jaxpr))):
         at = {k: reduced[v] for k, v in enumerate(eqn.outvars) if v in reduced}
         if not at:
             continue
         name, p = eqn.primitive.name, eqn.params
         if name == "transpose":
             src = eqn.invars[0]
-            if isinstance(src, Var) and uses[src] == 1:
+            if jaxprs.is_var(src) and uses[src] == 1:
                 reduced[src] = p["permutation"][at[0]]
-                moves[i] = at
+                moves[id(eqn)] = at
         elif name == "scan":
-            moves[i] = {k: a for k, a in at.items() if k >= p["num_carry"] and a >= 1}
-        elif (name == "remat2" and not p["jaxpr"].constvars) or name in _CALLS:
-            moves[i] = at
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for v in (*jaxpr.constvars, *jaxpr.invars):
-        if v in reduced:
-            env[v] = squares(env[v], reduced[v])
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v) for v in eqn.invars]
-        at = moves.get(i, {})
-        name = eqn.primitive.name
-        if not at:
-            outs = _bind(eqn, invals)
-        elif name == "transpose":
-            outs = invals  # its operand is carried reduced already
-        elif name == "scan":
-            outs = _scan(eqn, invals, at)
-        elif name == "remat2":
-            outs = _remat(eqn, invals, at)
-        else:
-            closed = eqn.params[_CALLS[name]]
-            outs = _evaluate(closed.jaxpr, closed.consts, invals, at)
-        for k, v in enumerate(eqn.outvars):
-            env[v] = outs[k]
-            if v in reduced and k not in at:
-                env[v] = squares(outs[k], reduced[v])
+            moves[id(eqn)] = {k: a for k, a in at.items() if k >= p["num_carry"] and a >= 1}
+        elif jaxprs.runs_again(eqn):
+            moves[id(eqn)] = at
+    values = [squares(x, reduced[v]) if v in reduced else x
+              for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True)]
+    n = len(jaxpr.constvars)
+    outs = jaxprs.evaluate(jaxpr, values[:n], values[n:], _RULES, _Reducing(reduced, moves))
     # An output carried reduced is read as it is; any other wanted one is reduced here.
-    return [squares(read(v), want[k]) if k in want and (isinstance(v, Literal)
-                                                       or v not in reduced) else read(v)
-            for k, v in enumerate(jaxpr.outvars)]
+    return [squares(x, want[k]) if k in want and not (jaxprs.is_var(v) and v in reduced)
+            else x for k, (v, x) in enumerate(zip(jaxpr.outvars, outs, strict=True))]
 
 
-def _scan(eqn, invals, at: dict) -> list:
-    """A scan whose stacked outputs at ``at`` come back as summed squares, summed over it."""
-    p = eqn.params
-    closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
-    consts = invals[:n_consts]
-    inner = {k: a - 1 for k, a in at.items()}  # the body's slice: one axis fewer
-
-    def step(carry, xs):
-        out = _evaluate(closed.jaxpr, closed.consts, [*consts, *carry, *xs], inner)
-        return out[:n_carry], out[n_carry:]
-
-    carry, ys = jax.lax.scan(step, invals[n_consts : n_consts + n_carry],
-                             invals[n_consts + n_carry :], length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *(jnp.sum(y, axis=0) if k + n_carry in at else y
-                      for k, y in enumerate(ys))]
+def _rest(state: _Reducing, eqn, outs, at: dict) -> list:
+    """``outs``, each output carried reduced that ``at`` did not reduce reduced here."""
+    return [squares(x, state.reduced[v]) if v in state.reduced and k not in at else x
+            for k, (v, x) in enumerate(zip(eqn.outvars, outs, strict=True))]
 
 
-def _remat(eqn, invals, at: dict) -> list:
-    """A checkpoint returning summed squares at ``at``, with its own policy."""
-    p = eqn.params
+def _bound(state: _Reducing, eqn, invals) -> list:
+    """Any equation: bound as traced, its outputs carried reduced reduced where made."""
+    return _rest(state, eqn, jaxprs.bind(eqn, invals), {})
 
-    def run(*args):
-        return _evaluate(p["jaxpr"], (), list(args), at)
 
-    return jax.checkpoint(run, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+def _transpose(state: _Reducing, eqn, invals) -> list:
+    """Moved: its operand is carried reduced already, and the sum ignores the axes' order."""
+    return invals if id(eqn) in state.moves else _bound(state, eqn, invals)
+
+
+def _again(state: _Reducing, eqn, invals) -> list:
+    """A scan, a checkpoint (with its own policy) or a call, its outputs at ``at`` summed squares.
+
+    A scan's body returns its slice's sums (one axis fewer), summed over the stack after.
+    """
+    at = state.moves.get(id(eqn))
+    if not at:
+        return _bound(state, eqn, invals)
+    body, consts = jaxprs.body_of(eqn)
+    scan = eqn.primitive.name == "scan"
+    inner = {k: a - scan for k, a in at.items()}
+    outs = jaxprs.again(eqn, invals, lambda args: _evaluate(body, consts, args, inner))
+    if scan:
+        outs = [jnp.sum(y, axis=0) if k in at else y for k, y in enumerate(outs)]
+    return _rest(state, eqn, outs, at)
+
+
+# The meaning (NOTE [One interpreter]): each wanted output's sum of squares taken where the
+# value is made, moved through transposes into the loops, checkpoints and calls that make it.
+_RULES = {"transpose": _transpose, "scan": _again, "remat2": _again, "pjit": _again,
+          "jit": _again, "closed_call": _again, jaxprs.ANY: _bound}

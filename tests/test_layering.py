@@ -6,6 +6,7 @@ from the layers above it are read from the source.
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,55 @@ def test_the_checks_above_can_fail():
     graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": set()}
     assert sorted(m for m in graph if m in _reach(graph, m)) == ["a.x", "a.y", "a.z"]
     assert "a.z" in _reach(graph, "a.x") and not _reach(graph, "a.w")
+
+
+# -- one interpreter (NOTE [One interpreter] in flaxside/jaxprs/_interpret.py) -------------------
+INTERPRETER = {"flaxside/jaxprs/_interpret.py", "flaxside/jaxprs/_walk.py"}
+
+
+def _reading(pattern: str) -> set:
+    """The library files (as paths from the root) whose code matches ``pattern``."""
+    found = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if re.search(pattern, path.read_text()):
+                found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_only_the_interpreter_reads_and_binds_equations():
+    """Equations are read (``.eqns``) and bound (``primitive.bind``) in ``flaxside/jaxprs``
+    alone: every other walk goes through ``walk``, every evaluation through ``evaluate``
+    with a meaning's rules. Mutation: ``_given.py``'s own ``_evaluate`` loop put back."""
+    assert _reading(r"\.eqns\b") <= INTERPRETER, _reading(r"\.eqns\b") - INTERPRETER
+    assert _reading(r"primitive\.bind\(") == {"flaxside/jaxprs/_interpret.py"}
+    assert len(_reading(r"\.eqns\b")) <= 2
+
+
+# -- one definition per NOTE, each in docs/design.md's index ---------------------------------------
+def _note_definitions() -> dict:
+    """``{name: [files]}`` of every ``NOTE [name].`` that opens a paragraph in the library."""
+    found = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for m in re.finditer(r"^\s*(?:# )?NOTE \[([^\]]+)\]\. ", path.read_text(), re.M):
+                found.setdefault(m.group(1), []).append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_each_note_is_defined_once_and_indexed_where_it_is():
+    """A NOTE defined twice drifts apart (two texts of ``[Higher order]`` and ``[Given
+    residuals]`` did); the index in docs/design.md names each NOTE's one file, and every
+    NOTE the library cites is defined. Mutation: ``flaxside/_given.py`` opening with
+    ``NOTE [Given residuals].`` again."""
+    found = _note_definitions()
+    assert not {n: f for n, f in found.items() if len(f) > 1}
+    index = dict(re.findall(r"^\| `NOTE \[([^\]]+)\]` \| `([^`]+)`",
+                            (ROOT / "docs" / "design.md").read_text(), re.M))
+    assert index == {n: f[0] for n, f in found.items()}
+    cited = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            cited.update(re.sub(r"\s+(?:# )?", " ", m.group(1))
+                         for m in re.finditer(r"NOTE\s+\[([^\]]+)\]", path.read_text()))
+    assert cited <= set(found), cited - set(found)

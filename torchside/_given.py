@@ -1,6 +1,6 @@
 """A first-order backward differentiated again, from what the forward saved.
 
-NOTE [Given residuals] (also in ``flaxside/_given.py``). What a first-order forward saved
+NOTE [Given residuals]. What a first-order forward saved
 for its backward (saved results and residual buffers, ``z``) is a function of the leaves
 that has been computed. When torch differentiates that backward (``create_graph``), the
 whole VJP (``vjp_function``) would compute it again with the forward. Where flaxside's

@@ -1,6 +1,6 @@
 """The layer above the first-order pipeline: ``create_graph``, ``torch.func``, forward mode.
 
-NOTE [Higher order] (also in ``flaxside/_higher.py``). A first-order backward runs the
+NOTE [Higher order]. A first-order backward runs the
 entry's backward program on what the forward saved, and hands torch plain gradients. When
 torch differentiates that backward again (``create_graph=True``, ``torch.func.grad``),
 the backward is instead a call of its own: ``vjp_function(program)``, a JAX function of
@@ -188,7 +188,7 @@ class VjpCalls:
     SPLIT_SAFE = tuple(map(int, re.findall(r"\d+", jax.__version__)[:3])) >= (0, 10, 2)
 
     def __init__(self, edges, key):
-        # Not the entry: this lives in the entry's value of a weak dictionary.
+        # Not the entry: this is a value of the entry's (``Entry.derived``), no cycle.
         self._edges, self._key = edges, key
         self._whole = self._linearize = self._apply = None
         self._calls = 0  # calls derived from the last differentiated call (context)

@@ -1,9 +1,10 @@
 """A first-order backward differentiated again reads what the forward saved.
 
-NOTE [Given residuals] in ``torchside/_given.py`` and ``flaxside/_given.py``: where the
-first order's residuals give its VJP without rerunning the forward (no remat), a
-derivative of the backward is a call of the first order's backward body on them, and
-their own VJP in the leaves, with the forward's operations taken out. Each result is
+NOTE [Given residuals] in ``torchside/_given.py`` and NOTE [Given VJP] in
+``flaxside/_given.py``: where the first order's residuals give its VJP without rerunning
+the forward (no remat), a derivative of the backward is a call of the first order's
+backward body on them, and their own VJP in the leaves, with the forward's operations
+taken out. Each result is
 compared with pure JAX on the same values, with random cotangents and weights; the
 program runs show that no VJP reruns the forward.
 """
@@ -72,9 +73,10 @@ def test_a_gradient_penalty_equals_pure_jax_and_reruns_no_forward(wanted):
     for name, p, want in zip(names, params, want_p, strict=True):
         _close(p.grad, want, f"{name}.grad")
     base = pipeline.entries(m)[0].program.name
-    assert runs[f"{base} (vjp)", "forward_with_residuals"] == 0  # no forward rerun
-    assert runs[f"{base} (given apply)", "forward_with_residuals"] == 1
-    assert runs[f"{base} (given transpose)", "forward"] == 1  # its backward, run once
+    # No forward rerun: the given apply is the one derived call with residuals, and the
+    # given transpose (its backward) runs once.
+    assert runs.derived(base, "forward_with_residuals") == {"(given apply)": 1}
+    assert runs[f"{base} (given transpose)", "forward"] == 1
 
 
 def test_the_given_vjp_holds_none_of_the_forward():
@@ -184,6 +186,37 @@ def test_a_call_differentiated_again_after_a_backward_through_its_derivative(
         want = jax.grad(jax_loss)([to_jax(p) for p in params], to_jax(x))
         for name, p, w in zip(names, params, want, strict=True):
             _close(p.grad, w, f"scale {scale}: {name}.grad")
+
+
+def test_two_live_calls_each_read_their_own_residuals():
+    """Two calls of one module alive at once, each differentiated twice: each reads what
+    its own forward saved. Mutation: the given residuals kept per entry instead of per
+    call (the second call's derivative reads the first call's), gradients 110% off."""
+    torch.manual_seed(0)
+    m = _critic()
+    params = list(m.parameters())
+    names, f = _apply(m)
+    xs = [torch.randn(8, 5, requires_grad=True) for _ in range(2)]
+    cts = [torch.randn(8, 1) for _ in range(2)]
+    with pipeline.program_runs() as runs:
+        ys = [m(x) for x in xs]  # both forwards before either backward
+        gs = [torch.autograd.grad(y, x, ct, create_graph=True)[0]
+              for y, x, ct in zip(ys, xs, cts, strict=True)]
+        sum((k + 1.0) * (g**2).sum() for k, g in enumerate(gs)).backward()
+
+    def jax_loss(values, x0, x1):
+        gs = [jax.vjp(lambda x: f(values, x), x)[1](to_jax(ct))[0]
+              for x, ct in zip((x0, x1), cts, strict=True)]
+        return sum((k + 1.0) * jnp.sum(g**2) for k, g in enumerate(gs))
+
+    want_p, *want_x = jax.grad(jax_loss, argnums=(0, 1, 2))(
+        [to_jax(p) for p in params], *map(to_jax, xs))
+    for k, (x, w) in enumerate(zip(xs, want_x, strict=True)):
+        _close(x.grad, w, f"x{k}.grad")
+    for name, p, w in zip(names, params, want_p, strict=True):
+        _close(p.grad, w, f"{name}.grad")
+    base = pipeline.entries(m)[0].program.name
+    assert runs.derived(base, "forward_with_residuals") == {"(given apply)": 2}
 
 
 def test_a_subset_the_route_takes_where_every_gradient_would_not():
