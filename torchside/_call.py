@@ -34,10 +34,14 @@ A cached eager forward and backward of a ``FlaxModule`` runs our code in five fi
 ``_module.py``, this file, ``_entry.py``, ``bridge/_exchange.py`` and ``bridge/_held.py``
 (the held arrays' check, a concept of its own: NOTE [Held arrays per call]); the DLPack
 route adds ``bridge/_dlpack.py`` (and on CUDA ``bridge/_ordering.py``, for torch's current
-stream), a call under ``torch.autocast`` ``_autocast.py``; ``flaxside`` runs only when a
-signature's programs are built (``tests/calls/test_hot_path.py``). Code there that a
-per-call step would otherwise call once per tensor reads all tensors through ``map``
-(no Python call per tensor: a leaf costs the call what it costs torch's C code).
+stream), a call under ``torch.autocast`` ``_autocast.py``, an NNX call
+``flaxside/_nnx.py`` (one ``Graph.__hash__``: its signature holds the module graph, which
+is compared by value); a Linen call with RNG streams takes the same five. Otherwise
+``flaxside`` runs only when a signature's programs are built
+(``tests/calls/test_hot_path.py``, for Linen calls with and without RNG streams and NNX).
+Code there that a per-call step would otherwise call once per tensor reads all tensors
+through ``map`` (no Python call per tensor: a leaf costs the call what it costs torch's C
+code).
 
 NOTE [Resolve]. What a call is depends on the owner's state and on torch's modes, not on
 the edge that runs it: the variables it reads (after their scopes' pre-hooks), the tensors
@@ -377,7 +381,8 @@ class Caller:
         rng = self._rng(entry, edge)
         if state_arrays is not None:
             state_arrays.append(exchange.view(rng))
-        return entry, state_arrays, layout.of_leaves(call.variables, rng, call.tensors)
+        # (Layout.of_leaves written out: a call with RNG streams runs no other file)
+        return entry, state_arrays, [*call.variables, rng, *call.tensors]
 
     def _intern(self, keys: tuple) -> VarKey:
         """The ``VarKey`` of a signature's variables (equal keys, one ``VarKey``)."""

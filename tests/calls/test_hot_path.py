@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import pytest
 import torch
+from flax import nnx
 
 import bridge
 from torchside import FlaxModule
@@ -32,6 +33,31 @@ class MLP(nn.Module):
     def __call__(self, x):
         y = nn.Dense(16)(jnp.tanh(nn.Dense(16)(x)))
         return jnp.mean(y**2) if self.loss else y
+
+
+class Dropped(nn.Module):
+    """A Linen call with an RNG stream: a key drawn per call."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(16)(x))))
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+# Per kind of call, the module and the files it adds to HOT (NOTE [Call path]): an NNX
+# call hashes its signature's module graph (``Graph.__hash__``, compared by value).
+KINDS = {
+    "linen-rng": (lambda: FlaxModule(Dropped(), example_args=(torch.zeros(4, 8),),
+                                     rngs=("dropout",)), set()),
+    "nnx": (lambda: FlaxModule(NnxMLP(nnx.Rngs(0))), {"flaxside/_nnx.py"}),
+}
 
 
 def _files_run(step) -> set[str]:
@@ -72,7 +98,31 @@ def test_a_cached_forward_and_backward_runs_in_five_files(residuals, loss, mode)
     assert files == want, f"a cached call ran in {sorted(files)}"
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_rng_stream_and_nnx_calls_run_in_the_files_the_note_names(kind):
+    """A Linen call with RNG streams in the same five files, an NNX call in those and the
+    one NOTE [Call path] names, with gradients and without."""
+    make, extra = KINDS[kind]
+    m = make()
+    x = torch.randn(4, 8, requires_grad=True)
+    ct = torch.randn(4, 16)
+
+    def step():
+        m.zero_grad()
+        m(x).backward(ct)
+
+    def no_grad():
+        with torch.no_grad():
+            m(x)
+
+    for fn in (step, no_grad):
+        files = _files_run(fn)
+        assert files == HOT | extra, f"{fn.__name__}: a cached call ran in {sorted(files)}"
+
+
 def test_a_cached_call_without_gradients_runs_in_the_same_files():
+    """The same files exactly: a subset alone would pass with none profiled (mutation:
+    ``_files_run`` matching no path)."""
     m = FlaxModule(MLP(), example_args=(torch.zeros(4, 8),))
     x = torch.randn(4, 8)
 
@@ -80,4 +130,5 @@ def test_a_cached_call_without_gradients_runs_in_the_same_files():
         with torch.no_grad():
             m(x)
 
-    assert _files_run(step) <= HOT
+    files = _files_run(step)
+    assert files == HOT, f"a cached call without gradients ran in {sorted(files)}"

@@ -18,7 +18,7 @@ import jax
 import pytest
 import torch
 
-from tests.support.pipeline import compiled_kinds, derived_programs, executables_run
+from tests.support.pipeline import compiled_kinds, derived_programs, entries, executables_run
 from torchside import FlaxModule
 
 
@@ -88,3 +88,24 @@ def test_a_gradient_penalty_differentiated_in_another_thread_keeps_the_precision
     for program in derived:
         for kind, compiled in compiled_kinds(program):
             assert _highest(compiled) == context, (program.name, kind)
+
+
+@pytest.mark.parametrize("residuals", ["save", "recompute"])
+def test_a_kind_first_compiled_later_elsewhere_keeps_the_programs_precision(residuals):
+    """NOTE [Precision of a program]: read once, where the program is built. Built by a
+    call under "highest", the program compiles the kinds its calls have not run yet
+    later, in another thread outside the context: at "highest" too. Mutation: the
+    precision read where each body is traced (the save route traces its backward with
+    its forward, so the first test above passes with it there; these kinds compile at
+    the default)."""
+    m = FlaxModule(MLP(), example_args=(torch.zeros(4, 8),), residuals=residuals)
+    x = torch.randn(4, 8, requires_grad=True)
+    _forward(m, x, True).backward(torch.randn(4, 8))
+    (entry,) = entries(m)
+    program = entry.program
+    later = {"forward", "forward_with_residuals", "backward", "backward_recompute"} - set(
+        program._compiled)
+    assert later, program._compiled
+    _in_thread(lambda: [program.compiled(kind) for kind in sorted(later)])
+    kinds = {kind: _highest(c) for kind, c in compiled_kinds(program)}
+    assert later <= set(kinds) and all(kinds.values()), kinds

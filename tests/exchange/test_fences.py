@@ -82,7 +82,12 @@ def _stream(device: str):
 def test_each_run_is_fenced_once_after_torchs_writes_and_handed_back_before_torch_reads(
         route, residuals):
     """Catches a run without its own fence, a parameter imported again per call, an export
-    on another stream than torch's, and a result torch touches before it was handed back."""
+    on another stream than torch's, and a result torch touches before it was handed back.
+
+    Mutation: the fence imported once and reused by every later run (``run`` in
+    ``bridge/_exchange.py``): no ``torch->jax`` step before the later runs. On the CPU only
+    these recorded steps can show it: torch's CPU writes finish before JAX runs, so the
+    values ``test_ordering.py`` compares come out right without any fence."""
     device = route
     m = FlaxModule(MLP(16), example_args=(torch.zeros(8, 16),), residuals=residuals).to(device)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

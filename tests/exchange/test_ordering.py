@@ -8,7 +8,10 @@ JAX. Each test runs on three routes: CPU pointer views, the DLPack route forced 
 and CUDA (``gpu`` marker; skipped without a GPU). References are pure JAX on CPU copies
 of the current values; each comparison also checks that the wrong answer the bug would
 give (a stale parameter, an overwritten input, a skipped accumulation) fails it.
-``test_fences.py`` checks the recorded steps of the DLPack route.
+``test_fences.py`` checks the recorded steps of the DLPack route. On the CPU these
+comparisons cannot fail for a missing or reused fence (torch's writes finish before JAX
+runs): they check the values every route computes, and the recorded steps there are
+what fails on the CPU for a fence's bugs.
 
 On CUDA each test names the race it catches. A tensor argument is imported by DLPack per
 call, which by itself orders JAX's reads of it after torch's stream, so the test of the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 
 import jax
 
@@ -97,12 +98,36 @@ def derived_programs(owner) -> list:
             for e in entries(derived)]
 
 
+class Runs(collections.Counter):
+    """``{(program name, kind): runs}``; a program that never ran reads 0 only if it exists.
+
+    A zero read for a name no program has would pass vacuously when a program is renamed
+    (mutation: the derived programs renamed in ``torchside/_derived.py``): it raises instead.
+    """
+
+    def __missing__(self, key):
+        from flaxside.internal import Program
+
+        names = {o.name for o in gc.get_objects() if type(o) is Program}
+        if key[0] not in names:
+            raise KeyError(f"no program is named {key[0]!r} (programs: {sorted(names)})")
+        return 0
+
+    def derived(self, base: str, kind: str) -> dict:
+        """``{suffix: runs}`` of the programs derived from ``base`` directly (named ``base
+        (...)``, not their own derived ones) that ran ``kind``: compared whole, a renamed
+        program fails it."""
+        return {name[len(base) + 1:]: n for (name, k), n in self.items()
+                if k == kind and name.startswith(base + " (") and n
+                and name[len(base) + 1:].count("(") == 1}
+
+
 @contextlib.contextmanager
 def program_runs():
-    """Counts the program runs of every entry while active: ``{(program name, kind): runs}``."""
+    """Counts the program runs of every entry while active: a ``Runs``."""
     from torchside._entry import Entry
 
-    runs = collections.Counter()
+    runs = Runs()
     run = Entry.run
 
     def counted(entry, kind, *args):

@@ -101,14 +101,21 @@ def test_the_flax_models_train_like_the_torch_twin(runs, run, kind):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+# Per kind: how far a bfloat16 update may be from the bfloat16 twin's, relative to the
+# update's largest entry (test_mixed_precision_policy_trains_like_the_torch_twin).
+_BF16_BOUND = {"flax-bf16": 0.05, "flax-loss-bf16": 0.09}
+
+
 @pytest.mark.parametrize("kind", ["flax-bf16", "flax-loss-bf16"], ids=["flax", "flax-loss-inside"])
 def test_mixed_precision_policy_trains_like_the_torch_twin(runs, kind):
     """FSDP2 with bfloat16 parameters and float32 gradient reduction.
 
     The block runs in bfloat16 (as the twin's Linear layers do), so the updates are compared
     with bfloat16's precision, relative to each update's size (the twin computes its loss in
-    float32, the loss-inside model in bfloat16: up to 4.5% apart here, in a bias); and they
-    differ from the float32 run's by more than float32 rounding would, so bfloat16 was used.
+    float32, the loss-inside model in bfloat16); and they differ from the float32 run's by
+    more than float32 rounding would, so bfloat16 was used. The bounds are about twice the
+    largest gap seen here (2.3% of an update's largest entry with the loss outside, 4.5%
+    in a bias with it inside), where they were 15% for both.
     """
     got, initial = runs("sharded", kind)["final"], runs("sharded", "torch-bf16")["initial"]
     twin = runs("sharded", "torch-bf16")["final"]
@@ -119,7 +126,8 @@ def test_mixed_precision_policy_trains_like_the_torch_twin(runs, kind):
         step = value - initial[name]
         scale = float(step.abs().max())
         assert got[name].dtype == torch.float32  # FSDP2 keeps the sharded parameters fp32
-        torch.testing.assert_close(got[name] - initial[name], step, rtol=0, atol=0.15 * scale,
+        torch.testing.assert_close(got[name] - initial[name], step, rtol=0,
+                                   atol=_BF16_BOUND[kind] * scale,
                                    msg=lambda m, name=name: f"{name}: {m}")
     assert max(float((got[n] - fp32[n]).abs().max() / (twin[n] - initial[n]).abs().max())
                for n in twin) > 1e-3, "the bf16 run equals the float32 run: no bf16 compute"

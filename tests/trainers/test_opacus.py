@@ -19,6 +19,7 @@ pytest.importorskip("opacus", reason="the 'dp' extra: pip install 'flaxtorch[dp]
 from opacus import GradSampleModule, PrivacyEngine  # noqa: E402
 from opacus.validators import ModuleValidator  # noqa: E402
 
+from tests.support import pipeline  # noqa: E402
 from tests.support.closeness import close  # noqa: E402
 from tests.support.references import to_jax  # noqa: E402
 from tests.support.twins import BatchNormMLP, TanhMLP  # noqa: E402
@@ -102,6 +103,12 @@ def _jax_per_sample(flax_layer, h, weights, ones=False):
 
 @pytest.mark.parametrize("force_functorch", [False, True], ids=["hooks", "functorch"])
 def test_per_sample_gradients_equal_the_twin_and_pure_jax(force_functorch):
+    """Two routes: Opacus's hooks call the bridge's grad sampler (``per_sample_gradients``);
+    ``force_functorch`` skips every registered sampler and runs Opacus's own
+    ``vmap(grad(functional_call))`` over the block, which the bridge serves as a torch.func
+    call (NOTE [torch.func]: a ``vmap`` derived program). Each case checks, by the
+    programs that ran, that its route ran and the other did not (the functorch case was
+    once taken for a second test of the sampler, which it never runs)."""
     model = _flax_model()
     twin = _twin(model, dense_layout=False)
     g = torch.Generator().manual_seed(2)
@@ -109,9 +116,15 @@ def test_per_sample_gradients_equal_the_twin_and_pure_jax(force_functorch):
     samples = {}
     for name, m in (("flax", model), ("twin", twin)):
         gsm = GradSampleModule(m, loss_reduction="sum", force_functorch=force_functorch)
-        (gsm(x) * weights).sum().backward()
+        with pipeline.program_runs() as runs:
+            (gsm(x) * weights).sum().backward()
         samples[name] = {k: p.grad_sample for k, p in m.named_parameters()}
         gsm._close()
+        if name == "flax":  # the route that ran: the sampler's program, or torch.func's
+            ran = {program for program, _ in runs}
+            sampler = any(n.endswith("(per-sample vjp)") for n in ran)
+            vmapped = any("(vmap over" in n for n in ran)
+            assert (sampler, vmapped) == (not force_functorch, force_functorch), ran
     with torch.no_grad():
         h = model[0](x)
     ref = _jax_per_sample(model[1], h, weights)
