@@ -3,21 +3,17 @@
 A ``Derived`` owner is a ``jax_function``-like owner of one JAX function derived from an
 entry's program; its calls go through a ``Caller`` of their own, with the edges of the
 call it derives from, so they too can be compiled, transformed and differentiated again
-(NOTE [Higher order] in ``_higher.py``). The owners of an entry live in a weak dictionary
-keyed by the entry: nothing outlives its owner.
+(NOTE [Higher order] in ``_higher.py``). The owners of an entry are values of the entry
+(``Entry.derived``): nothing outlives its owner.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import jax
 import torch
 
 from torchside._call import Caller, function_settings, resolve
 from torchside._owner import CallerOwner
-
-_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> its owners
 
 
 class Derived(CallerOwner):
@@ -52,7 +48,7 @@ def derived(edges, entry, kind: str, make, key=None) -> Derived:
     """The entry's owner of one derived function (``kind``: "vjp", "jvp"), made once.
 
     ``key``: what else the function depends on (the gradients a VJP returns). The owners
-    live as long as the entry (a weak dictionary: nothing outlives its owner).
+    live as long as the entry (``Entry.derived``: nothing outlives its owner).
     """
     owners = owners_of(entry)
     owner = owners.get((kind, key))
@@ -68,16 +64,13 @@ def derived(edges, entry, kind: str, make, key=None) -> Derived:
 
 
 def owners_of(entry) -> dict:
-    """``entry``'s derived owners, by kind (a weak dictionary: they live as long as it)."""
-    owners = _DERIVED.get(entry)
-    if owners is None:
-        owners = _DERIVED[entry] = {}
-    return owners
+    """``entry``'s derived owners, by kind: a value of the entry, living as long as it."""
+    return entry.derived
 
 
 def derived_owners(entry) -> list[Derived]:
     """The owners derived from ``entry`` so far (for tests and the benchmark)."""
-    return [o for o in _DERIVED.get(entry, {}).values() if isinstance(o, Derived)]
+    return [o for o in entry.derived.values() if isinstance(o, Derived)]
 
 
 def _executes(node) -> bool:

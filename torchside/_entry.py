@@ -95,12 +95,15 @@ class Entry:
         grad_slots: per gradient (``program.diff_index`` order), the leaf it belongs to.
         views: how gradients are viewed out of the backward's buffers (``GradientViews``).
         key: a small int naming the entry inside its caller (``torch.compile``'s ops).
+        derived: what the layer of derivatives makes of this entry, by kind, when first
+            asked (its VJP's and JVP's owners, shared linearizations, given residuals:
+            ``torchside/_derived.py``); freed with the entry.
     """
 
     __slots__ = ("program", "exchange", "layout", "routes", "holds", "rng_read",
                  "write_back", "n_out", "n_results", "out_treedef", "nondiff_out",
                  "diff_out_index", "grad_slots", "views", "key", "writes_back", "_executables",
-                 "_zero_cots", "_unreached", "_splits", "__weakref__")
+                 "_zero_cots", "_unreached", "_splits", "derived", "__weakref__")
 
     def __init__(self, program, exchange, layout, views, routes: dict, key: int):
         self.program = program
@@ -123,6 +126,7 @@ class Entry:
         self._zero_cots: dict = {}
         self._unreached: dict = {}
         self._splits: dict = {}
+        self.derived: dict = {}
 
     def holding(self, route: Route) -> Holds:
         """What a call on ``route`` holds (lowering ``forward_with_residuals`` if needed)."""
