@@ -8,8 +8,15 @@ it (NOTE [Call path] in ``_call.py``).
 
 from __future__ import annotations
 
+import functools
+
 from torchside._compile import compiled_call
 from torchside._higher import differentiate, transformed
 from torchside._values import Edges
 
 EDGES = Edges(compiled=compiled_call, transformed=transformed, differentiate=differentiate)
+# The same without NOTE [Given residuals]'s route: a backward differentiated again takes
+# the whole VJP or the shared linearization (an owner's value: tests of those routes, the
+# benchmark's contestant without sharing). Derived owners inherit their call's edges.
+WHOLE_VJPS = EDGES._replace(differentiate=functools.partial(differentiate,
+                                                            given_residuals=False))

@@ -30,9 +30,6 @@ from flaxside.internal import given_vjp
 from torchside._derived import _executes, derived, owners_of
 
 _NOT_YET = object()
-# Off: every such backward takes the whole VJP or the shared linearization, as before this
-# route (for tests of those, and the benchmark's contestant without any sharing).
-ENABLED = [True]
 
 
 class _Bundle(NamedTuple):
@@ -50,7 +47,7 @@ def given_backward(edges, entry, key, leaves: list, z, cots: list, ctx) -> list 
     ``ctx``: that call's autograd context, which keeps the ``GivenResiduals`` outputs.
     """
     # The node's backward takes every gradient where a subset's parts would not apply.
-    parts = _parts(entry, key) if ENABLED[0] and _parts(entry, None) is not None else None
+    parts = _parts(entry, key) if _parts(entry, None) is not None else None
     if parts is None:
         return None
     if z:

@@ -66,10 +66,13 @@ from torchside._given import _alive, given_backward
 
 
 # -- a backward differentiated again (Edges.differentiate) ------------------------------------
-def differentiate(ctx, entry, route, saved, cots) -> list:
+def differentiate(ctx, entry, route, saved, cots, given_residuals: bool = True) -> list:
     """The eager backward as a differentiable call of the VJP (NOTE [Higher order]).
 
     ``ctx``: the eager call's autograd context (``keep`` left the kept leaves there).
+    ``given_residuals``: whether the route of NOTE [Given residuals] is taken where it
+    applies (``False``: the whole VJP or the shared linearization, for tests of those and
+    the benchmark's contestant without sharing; ``torchside._edges.WHOLE_VJPS``).
     """
     where = entry.program.name
     if route.placement == "mesh":
@@ -86,8 +89,9 @@ def differentiate(ctx, entry, route, saved, cots) -> list:
     # The leaves' nodes (torch lists an edge per tensor argument: the leaves alone).
     nodes = [node for node, _ in ctx.next_functions]
     # What the forward saved after its inputs (NOTE [Given residuals] in _given.py).
-    given = (saved[holds.bounds[0]:] if route.programs == "residuals" and route.order == 1
-             and not holds.state and not entry.write_back.targets else None)
+    given = (saved[holds.bounds[0]:] if given_residuals and route.programs == "residuals"
+             and route.order == 1 and not holds.state and not entry.write_back.targets
+             else None)
     return differentiable_backward(ctx.edges, entry, leaves, cots, nodes, ctx, given)
 
 

@@ -59,7 +59,8 @@ from _measure import Contestant, race  # noqa: E402
 from _orders import bridge_programs, held_by_order, kind_rank  # noqa: E402
 from pinn import PINN, Trunk, fast_loss, jax_loss, laplacian, source  # noqa: E402
 
-from torchside import FlaxModule, _given, jax_function  # noqa: E402  (_given: internals)
+from torchside import FlaxModule, jax_function  # noqa: E402
+from torchside._edges import WHOLE_VJPS  # noqa: E402  (internals: the route's switch)
 from torchside._higher import VjpCalls  # noqa: E402
 
 jtu = jax.tree_util
@@ -177,14 +178,11 @@ def penalty_contestants(batch, features, width, layers) -> tuple[list, dict]:
     out.append(_Contestant("bridge", lambda: _torch_penalty(module, x_b),
                            list(module.parameters()), [x_b]))
     whole = FlaxModule(critic, variables=variables)
+    whole._caller.edges = WHOLE_VJPS  # NOTE [Given residuals] off for this owner
     x_w = torch.tensor(x_np, requires_grad=True)
 
     def whole_step():
-        _given.ENABLED[0] = False
-        try:
-            _torch_penalty(whole, x_w)
-        finally:
-            _given.ENABLED[0] = True
+        _torch_penalty(whole, x_w)
 
     step = jax.jit(jax.grad(lambda p, x: _penalty_loss(critic.apply, p, x)))
     args = jax.device_put((variables["params"], x_np))
@@ -306,15 +304,16 @@ def pinn_contestants(points, width, lengths) -> tuple[list, dict]:
     # sharing the linearization saves, side by side.
     whole = PINN(width, lengths)
     whole.load_state_dict(state)
+    whole.trunk._caller.edges = WHOLE_VJPS  # NOTE [Given residuals] off for this owner
     xy_w = torch.tensor(xy_np, requires_grad=True)
 
     def whole_step():
         share = VjpCalls.SHARE_AFTER
-        VjpCalls.SHARE_AFTER, _given.ENABLED[0] = math.inf, False  # (remat: not given)
+        VjpCalls.SHARE_AFTER = math.inf
         try:
             _torch_pinn(whole, xy_w)
         finally:
-            VjpCalls.SHARE_AFTER, _given.ENABLED[0] = share, True
+            VjpCalls.SHARE_AFTER = share
 
     out.append(_Contestant(WHOLE, whole_step, list(whole.parameters()), [xy_w]))
     return out, dict(module=bridge.trunk, step=out[0].call, exclude=out[0].params)

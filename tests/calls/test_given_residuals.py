@@ -159,16 +159,16 @@ def test_a_call_differentiated_again_after_a_backward_through_its_derivative(
     """A backward through the first derivative's graph frees what its nodes saved: the
     next derivative of the same call makes its residuals' node again, and both steps
     equal pure JAX (the shared linearization of NOTE [Shared linearization] alike)."""
-    from torchside import _given
     from torchside._higher import VjpCalls
 
     if route == "split":
-        monkeypatch.setattr(_given, "ENABLED", [False])
         monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
         monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
         monkeypatch.setattr(VjpCalls, "SPLIT_SAFE", True)
     torch.manual_seed(0)
     m = FlaxModule(TanhOut(), example_args=(torch.zeros(2, 3),))
+    if route == "split":
+        pipeline.whole_vjps(m)  # the given residuals' route off
     params = list(m.parameters())
     names, f = _apply(m)
     x = torch.randn(2, 3, requires_grad=True)

@@ -30,7 +30,6 @@ from flaxside.internal import (
 from tests.calls.test_higher_order import OWNERS, TanhLayer, _apply, _close, _linen
 from tests.support import pipeline
 from tests.support.references import to_jax
-from torchside import _given
 from torchside._higher import VjpCalls
 
 
@@ -141,10 +140,10 @@ def test_residuals_are_not_shared_with_leaves_changed_since(monkeypatch, change)
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)  # every leaf set split
     # The split on a plain block, whose residuals would give its VJP without the
     # forward (NOTE [Given residuals]): that route off here.
-    monkeypatch.setattr(_given, "ENABLED", [False])
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
+    pipeline.whole_vjps(m)  # the given residuals' route off
     x = torch.randn(4, 3, requires_grad=True)
     ct = torch.randn(4, 1)
     names, f = _apply(m)
@@ -170,10 +169,10 @@ def test_the_residuals_live_no_longer_than_the_graph(monkeypatch):
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
     # The split on a plain block, whose residuals would give its VJP without the
     # forward (NOTE [Given residuals]): that route off here.
-    monkeypatch.setattr(_given, "ENABLED", [False])
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
+    pipeline.whole_vjps(m)  # the given residuals' route off
     x = torch.randn(4, 3, requires_grad=True)
     loss = _pinn_loss(m, x)
     assert pipeline.shared_residuals(m)
@@ -286,10 +285,10 @@ def test_a_step_after_data_written_in_place_is_not_served_the_last_steps_residua
     monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)
     # The split on a plain block, whose residuals would give its VJP without the
     # forward (NOTE [Given residuals]): that route off here.
-    monkeypatch.setattr(_given, "ENABLED", [False])
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     torch.manual_seed(0)
     m = _linen("save")
+    pipeline.whole_vjps(m)  # the given residuals' route off
     x = torch.randn(4, 3, requires_grad=True)
     params = list(m.parameters())
     names, f = _apply(m)
@@ -331,9 +330,9 @@ def test_a_custom_vjp_not_linear_in_its_cotangent_is_never_split(monkeypatch):
     monkeypatch.setattr(VjpCalls, "SPLIT_MIN_WORK", 0.0)
     # The split on a plain block, whose residuals would give its VJP without the
     # forward (NOTE [Given residuals]): that route off here.
-    monkeypatch.setattr(_given, "ENABLED", [False])
     torch.manual_seed(0)
     m = FlaxModule(Clipped(), example_args=(torch.zeros(4, 3),))
+    pipeline.whole_vjps(m)  # the given residuals' route off
     x = torch.randn(4, 3, requires_grad=True)
     names, f = _apply(m)
     params = list(m.parameters())

@@ -141,6 +141,14 @@ def program_runs():
         Entry.run = run
 
 
+def whole_vjps(owner) -> None:
+    """The owner's backwards differentiated again take the whole VJP or the shared
+    linearization, never the given residuals' route (its edges: ``WHOLE_VJPS``)."""
+    from torchside._edges import WHOLE_VJPS
+
+    owner._caller.edges = WHOLE_VJPS
+
+
 def shared_residuals(owner) -> list:
     """The residual tensors still alive that the owner's VJP calls may share
     (NOTE [Shared linearization] in ``torchside/_higher.py``)."""
