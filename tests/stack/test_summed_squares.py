@@ -111,8 +111,8 @@ def test_stacked_per_sample_gradients_are_never_stored(make, depth):
     per added layer, where the reduction after the fact stores every layer's and grows by
     at least half of them (the negative control). Growth, with a loose bound on one depth
     (two layers' gradients): what XLA keeps besides (the backward's residuals, one layer's
-    gradient where it does not fuse the product into its sum) differs between releases;
-    jax 0.8.1 keeps 1.17 layers' for ``nn.scan``, jax 0.10 0.71."""
+    gradient where it does not fuse the product into its sum) differs between releases:
+    for ``nn.scan`` jax 0.8.1 keeps a little more than one layer's, jax 0.10 less."""
     g, args, axes = _per_sample_grads(make(1))
     assert any(a > 0 for a in axes), axes  # stacked leaves: the batch behind a layer axis
     _check(g, args, axes)
