@@ -31,7 +31,8 @@ PACKAGES = ("bridge", "flaxside", "torchside")
 # The first-order pipeline (NOTE [Call path] in torchside/_call.py) and what sits above it:
 # the torch.compile edge and the layer of derivatives, reached only through the Edges an
 # owner hands its Caller.
-FIRST_ORDER = ("torchside._call", "torchside._entry", "torchside._build", "torchside._values")
+FIRST_ORDER = ("torchside._resolve", "torchside._call", "torchside._eager", "torchside._entry",
+               "torchside._build", "torchside._values")
 ABOVE = ("torchside._compile", "torchside._higher", "torchside._derived", "torchside._given",
          "torchside._edges")
 

@@ -1,4 +1,4 @@
-"""Autocast's casts of a call (NOTE [Resolve] in ``_call.py``), run only under autocast.
+"""Autocast's casts of a call (NOTE [Resolve] in ``_resolve.py``), run only under autocast.
 
 ``resolve`` asks torch for the autocast dtype where the owner's ``autocast`` is not
 ``"off"``; what follows runs only when autocast is on: the inputs and parameters cast to

@@ -6,14 +6,15 @@ changes, resolved, and the owner's ``write_back``:
 
     caller(resolve(...), write_back) -> outputs
 
-1. ``resolve`` (NOTE [Resolve] below): the variables the call reads, its tensors and
-   static values, autocast's casts, its device and the owner's mode, as one ``Call``.
+1. ``resolve`` (NOTE [Resolve] in ``_resolve.py``): the variables the call reads, its
+   tensors and static values, autocast's casts, its device and the owner's mode, as one
+   ``Call``.
    Every edge starts here.
 2. ``Caller.prepare``: the variables' held arrays (``bridge.internal.HeldArrays``), the
    ``Signature``, its ``Entry`` from the LRU cache (built on a miss, ``_build.build``), and
    the RNG slot, drawn from torch's generator only if the entry's programs read it.
 3. The edge, the one step where calls differ (NOTE [Routes] in ``_values.py``): eagerly
-   ``BridgeFunction`` (``_entry.py``; no autograd at all when nothing needs a gradient);
+   ``BridgeFunction`` (``_eager.py``; no autograd at all when nothing needs a gradient);
    under ``torch.compile`` the ``flaxtorch::forward`` op (``_compile.py``), whose
    implementation is steps 2 and 4 again; under ``torch.func`` a call of the layer above
    (``_higher.py``).
@@ -27,29 +28,23 @@ changes, resolved, and the owner's ``write_back``:
 Backward: ``Entry.backward`` views what was saved (held arrays reused) and runs the
 backward program through the exchange (for a scalar loss, whose forward ran
 ``value_and_grad``, ``scaled`` scales the saved gradients instead: NOTE [Scalar loss] in
-``_entry.py``); ``Entry.gradients`` hands each leaf its gradient (a view of a packed
+``_eager.py``); ``Entry.gradients`` hands each leaf its gradient (a view of a packed
 buffer), ``None`` where no used output depends on it.
 
-A cached eager forward and backward of a ``FlaxModule`` runs our code in five files:
-``_module.py``, this file, ``_entry.py``, ``bridge/_exchange.py`` and ``bridge/_held.py``
+A cached eager forward and backward of a ``FlaxModule`` runs our code in seven files, one
+concept each: ``_module.py``, ``_resolve.py`` (step 1), this file, ``_eager.py`` (the
+eager edge), ``_entry.py``, ``bridge/_exchange.py`` and ``bridge/_held.py``
 (the held arrays' check, a concept of its own: NOTE [Held arrays per call]); the DLPack
 route adds ``bridge/_dlpack.py`` (and on CUDA ``bridge/_ordering.py``, for torch's current
 stream), a call under ``torch.autocast`` ``_autocast.py``, an NNX call
 ``flaxside/_nnx.py`` (one ``Graph.__hash__``: its signature holds the module graph, which
-is compared by value); a Linen call with RNG streams takes the same five. Otherwise
+is compared by value); a Linen call with RNG streams takes the same seven, a call
+without gradients all but ``_eager.py``. Otherwise
 ``flaxside`` runs only when a signature's programs are built
 (``tests/calls/test_hot_path.py``, for Linen calls with and without RNG streams and NNX).
 Code there that a per-call step would otherwise call once per tensor reads all tensors
 through ``map`` (no Python call per tensor: a leaf costs the call what it costs torch's C
 code).
-
-NOTE [Resolve]. What a call is depends on the owner's state and on torch's modes, not on
-the edge that runs it: the variables it reads (after their scopes' pre-hooks), the tensors
-it passes (autocast's casts applied), the device it runs on, and the owner's mode.
-``resolve`` reads all of that once. The eager edge, the ``torch.compile`` edge (in code
-Dynamo traces, which is why ``resolve`` only reads torch state and runs torch ops there)
-and ``FlaxModule.memory_report`` all start from one, so a call under ``torch.autocast``
-computes in the same dtypes eagerly and compiled.
 """
 
 from __future__ import annotations
@@ -58,29 +53,26 @@ import collections
 import copy
 import itertools
 import operator
-import struct
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import jax
 import torch
 import torch.autograd.forward_ad as _fwAD
 
 from bridge.internal import HeldArrays, exchange_for
-from flaxside.internal import ARRAY
 from torchside import _build, _checks, _errors
-from torchside._autocast import cast, cast_tree, compute_dtype
-from torchside._entry import Entry, apply_bridge, apply_write_back
+from torchside._eager import apply_bridge
+from torchside._entry import Entry, apply_write_back
 from torchside._options import check_choice, check_positive_int
 from torchside._recompile import RecompileMonitor
-from torchside._values import Call, Edges, Settings, Signature, TensorKey, positional
+from torchside._values import Call, Edges, Settings, Signature, TensorKey
 from torchside._values import function_settings as function_settings
 
 jtu = jax.tree_util
 
 RESIDUAL_MODES = ("save", "split", "recompute")
-CPU = torch.device("cpu")
 # A signature's parts per tensor, read by ``map`` (in C: no Python call per tensor).
 _SHAPE = operator.attrgetter("shape")  # a compiled call's are stand-ins (TensorMeta)
 _DTYPE = operator.attrgetter("dtype")
@@ -107,114 +99,11 @@ class VarKey(int):
     """
 
     keys: tuple
+
+
 # Callers by compile id, for ``torch.compile``'s ops (``_compile.py``), which carry only
 # ints and strings. Weak: nothing here outlives its owner.
 CALLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-# -- step 1 -------------------------------------------------------------------------------------
-def lead_device(variables, tensors) -> torch.device:
-    """The device a call runs on: its first variable's, else its first tensor's, else the CPU.
-
-    The tensors decide, never JAX's default device (NOTE [Devices] in ``bridge/_devices.py``);
-    every other tensor must be on the same device (``_checks.check_devices``).
-    """
-    lead = variables[0] if variables else (tensors[0] if tensors else None)
-    return CPU if lead is None else lead.device
-
-
-def static_key(value) -> tuple:
-    """A key that tells apart static values that compute differently.
-
-    ``0.0 == -0.0`` and ``1 == 1.0 == True`` but they compute differently, and ``nan !=
-    nan`` would never find its own program: floats are keyed by their bits, all by type.
-    """
-    if isinstance(value, float):
-        return (float, struct.pack("<d", value))
-    if isinstance(value, complex):
-        return (complex, struct.pack("<dd", value.real, value.imag))
-    tobytes = getattr(value, "tobytes", None)  # numpy scalars
-    if tobytes is not None and getattr(value, "ndim", None) == 0:
-        return (type(value), tobytes())
-    return (type(value), value)
-
-
-def resolve(variables: list, args: tuple, kwargs: dict, *, mode: Hashable, where: str,
-            autocast: str = "off", is_param: tuple = (), compiling: bool | None = None) -> Call:
-    """Resolves one call of an owner (NOTE [Resolve]).
-
-    Args:
-        variables: the owner's variable tensors, as the call reads them (a sharded owner's
-            local shards: NOTE [Sharded blocks] in ``_shard.py``).
-        args: the call's positional arguments (pytrees of tensors and static values).
-        kwargs: its keyword arguments.
-        mode: the owner's mode.
-        where: the owner's name for messages.
-        autocast: the owner's autocast behaviour (``AUTOCAST_MODES``; see ``FlaxModule``).
-        is_param: per variable, whether it is a parameter (autocast casts those).
-        compiling: whether Dynamo traces the call (``None``: asks torch).
-
-    Raises:
-        TypeError: a static argument is unhashable; under ``torch.compile``, an argument
-            that is not a positional tensor.
-    """
-    if torch.compiler.is_compiling() if compiling is None else compiling:
-        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
-            raise _errors.compiled_arguments(where, len(args), len(kwargs))
-        tensors, treedef, statics, values = list(args), None, None, None
-    else:
-        tensors, treedef, statics, values = _split_args(args, kwargs, where)
-    lead = variables[0] if variables else (tensors[0] if tensors else None)  # lead_device
-    device = CPU if lead is None else lead.device
-    # (_autocast_dtype's test first, written out: no call where autocast is off)
-    to = (_autocast_dtype(device) if autocast != "off" and device.type in ("cpu", "cuda")
-          and torch.is_autocast_enabled(device.type) else None)
-    out_dtype = None
-    if to is not None:
-        if autocast == "inputs":
-            variables = [cast(v, to) if p else v
-                         for v, p in zip(variables, is_param, strict=True)]
-            tensors = [cast(t, to) for t in tensors]
-        else:  # "outputs": the block runs in its parameters' dtype, inputs included
-            own = compute_dtype(variables, is_param)
-            if own is not None:
-                tensors = [cast(t, own) for t in tensors]
-            out_dtype = to
-    return Call(variables, tensors, treedef, statics, values, mode, device, out_dtype)
-
-
-def finish(call: Call, outputs):
-    """The outputs as the owner returns them: autocast's output cast applied."""
-    return outputs if call.out_dtype is None else cast_tree(outputs, call.out_dtype)
-
-
-def _split_args(args: tuple, kwargs: dict, where: str):
-    """``(tensors, treedef, statics, values)`` of a call's arguments."""
-    if not kwargs and all(map(isinstance, args, itertools.repeat(torch.Tensor))):
-        # Positional tensors only, the common call: the structure flatten would give.
-        n = len(args)
-        return list(args), positional(n), (ARRAY,) * n, list(args)
-    leaves, treedef = jtu.tree_flatten((args, kwargs))
-    tensors, statics = [], []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            statics.append(ARRAY)
-        else:
-            statics.append(static_key(leaf))
-    statics = tuple(statics)
-    try:
-        hash(statics)
-    except TypeError:
-        raise _checks.unhashable(leaves, treedef, where) from None
-    return tensors, treedef, statics, leaves
-
-
-def _autocast_dtype(device: torch.device):
-    # Only cpu and cuda can run a call (others are refused with the device error).
-    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
-        return None
-    return torch.get_autocast_dtype(device.type)
 
 
 def variable_key(variables, grads) -> tuple[TensorKey, ...]:

@@ -39,8 +39,10 @@ import bridge
 from bridge.internal import stored_array
 from flaxside.internal import ARRAY, Graph
 from torchside import _errors
-from torchside._call import CALLERS, lead_device
-from torchside._entry import Reusable, apply_write_back, save
+from torchside._call import CALLERS
+from torchside._eager import save
+from torchside._entry import Reusable, apply_write_back
+from torchside._resolve import lead_device
 from torchside._values import Call, TensorMeta, positional
 
 jtu = jax.tree_util

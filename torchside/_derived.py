@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import torch
 
-from torchside._call import Caller, function_settings, resolve
+from torchside._call import Caller, function_settings
 from torchside._owner import CallerOwner
+from torchside._resolve import resolve
 
 
 class Derived(CallerOwner):

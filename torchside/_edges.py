@@ -1,6 +1,7 @@
 """The edges above the first-order pipeline, as every owner hands them to its ``Caller``.
 
-The first-order files (``_call.py``, ``_entry.py``, ``_build.py``) never import the
+The first-order files (``_resolve.py``, ``_call.py``, ``_eager.py``, ``_entry.py``,
+``_build.py``) never import the
 ``torch.compile`` edge or the layer of derivatives; an owner (``FlaxModule``,
 ``jax_function``) passes ``EDGES`` to its ``Caller``, and the pipeline calls up through
 it (NOTE [Call path] in ``_call.py``).

@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools as ft
 from collections.abc import Callable
 
-from torchside._call import Caller, function_settings, resolve
+from torchside._call import Caller, function_settings
 from torchside._edges import EDGES
 from torchside._owner import CallerOwner
+from torchside._resolve import resolve
 
 
 class JaxFunction(CallerOwner):

@@ -11,11 +11,12 @@ import torch
 import bridge
 from flaxside.internal import adapter_for, key_data_shape, program_report
 from torchside import _errors
-from torchside._call import Caller, finish, resolve
+from torchside._call import Caller
 from torchside._edges import EDGES
 from torchside._initializer import Initializer
 from torchside._options import check_choice
 from torchside._owner import CallerOwner
+from torchside._resolve import finish, resolve
 from torchside._values import AUTOCAST_MODES, Call, Settings
 from torchside._variables import FlaxVariables, attach_variables
 
@@ -57,7 +58,7 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
             and backward, except for a scalar loss: when the one differentiable output is a
             real scalar, a grad-enabled eager call runs one fused program (JAX's
             ``jit(value_and_grad)``) at forward and holds the gradients, which the backward
-            scales by the incoming gradient (NOTE [Scalar loss] in ``_entry.py``).
+            scales by the incoming gradient (NOTE [Scalar loss] in ``_eager.py``).
             ``"split"`` holds the policy's residuals for a scalar loss too (two programs);
             ``"recompute"`` holds only the inputs and reruns the forward in the backward,
             like ``torch.utils.checkpoint`` around the whole block.
@@ -161,7 +162,7 @@ class FlaxModule(CallerOwner, FlaxVariables, torch.nn.Module):
         for a block inside a network. ``held_bytes`` is what the call saves for backward
         besides the parameters, buffers, arguments and outputs: the residuals, a drawn RNG
         key, copies of written-back state; for a scalar loss with ``residuals="save"``, the
-        gradient buffers (NOTE [Scalar loss] in ``_entry.py``). The compiled programs stay
+        gradient buffers (NOTE [Scalar loss] in ``_eager.py``). The compiled programs stay
         cached for the call.
 
         Returns:

@@ -22,7 +22,7 @@ without running). Its ``programs`` is one of ``ROUTES``:
 * ``"residuals"``: ``forward_with_residuals``, then ``backward`` from what it saved;
 * ``"recompute"``: ``forward``, saving the inputs; ``backward_recompute`` reruns it;
 * ``"fused"``: a scalar loss, eagerly: ``value_and_grad``, whose gradients the backward
-  scales (NOTE [Scalar loss] in ``_entry.py``). Compiled calls of such an entry take
+  scales (NOTE [Scalar loss] in ``_eager.py``). Compiled calls of such an entry take
   ``"residuals"``.
 
 NOTE [What a call holds]. ``Holds`` says, per route, what a call keeps for its backward:
@@ -110,7 +110,7 @@ class TensorMeta(NamedTuple):
 
 
 class Call(NamedTuple):
-    """One call, resolved (NOTE [Resolve] in ``_call.py``).
+    """One call, resolved (NOTE [Resolve] in ``_resolve.py``).
 
     Attributes:
         variables: the tensors the programs read for the owner's variables, in the owner's
