@@ -126,8 +126,9 @@ def gradient_views(packing, n_leaves: int, diff_index) -> GradientViews:
 
     A packed buffer of many gradients of few shapes is viewed run by run (an ``unbind``
     per run of one shape); one of mostly distinct shapes at once, by torch's
-    ``unflatten_dense_tensors``: per gradient 0.4 us and 1.1 us on this CPU, against a
-    fixed cost per run (``examples/bench/call_costs.py``).
+    ``unflatten_dense_tensors``, one C++ call for the buffer, where runs of one gradient
+    would each cost a Python-level view (timed by hand when this was written; no
+    committed script re-measures the crossover).
     """
     runs, view_of = [], {}  # view_of: diff position -> index among the runs' gradients
     for p, entry in enumerate(packing):
