@@ -5,7 +5,7 @@ Laplacian, by ``torch.autograd.grad`` with ``create_graph=True``), so each train
 differentiates the network three times: twice in the inputs, once more in the parameters.
 The network's trunk is a deep Flax ``nn.remat_scan`` block in a ``FlaxModule`` between
 torch layers; every derivative through it is computed by JAX (NOTE [Higher order] in
-``torchside/_higher.py``). Problem: ``-laplace(u) = f`` on the unit square with ``u = 0`` on
+``torchside/edges/_higher.py``). Problem: ``-laplace(u) = f`` on the unit square with ``u = 0`` on
 its boundary, ``f = 2 pi^2 sin(pi x) sin(pi y)``, whose exact solution is ``u = sin(pi x)
 sin(pi y)``. The boundary condition is built into the network's output (it is multiplied
 by ``x (1 - x) y (1 - y)``), and Adam minimizes the mean squared residual of the equation

@@ -5,7 +5,7 @@ What this shows: one more level of remat should cost about one more forward pass
 the autodiff of nested scans copies a slice of the stacked parameters per outer step (in the
 forward and again in the backward) and builds each outer step's gradients in a fresh stack
 before copying them into the full one. ``remat_stack`` reads and writes the full stacks in
-place (``flaxside/_stack_core.py``). Every variant is compiled first, then timed in
+place (``flaxside/stacks/_core.py``). Every variant is compiled first, then timed in
 interleaved rounds so that load on a shared machine hits all of them alike; ratios are to
 ``nn.scan(nn.remat(Block))``, minimum over rounds. "temp" is XLA's scratch memory for the
 whole jitted step (where the copied slices live), "held" what a forward keeps for the

@@ -25,16 +25,40 @@ def test_package_does_not_import(package, forbidden):
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+
+_LAZY = """
+import sys, torch, jax.numpy as jnp, torchside
+layer = ("torchside.edges._higher", "torchside.edges._given", "torchside.edges._derived")
+loaded = lambda: [m for m in layer if m in sys.modules]
+before = loaded()
+f = torchside.jax_function(lambda x: jnp.sum(jnp.sin(x) ** 3))
+x = torch.linspace(0.1, 1.0, 5, requires_grad=True)
+f(x).backward()
+first = loaded()
+(g,) = torch.autograd.grad(f(x), x, create_graph=True)
+print(before, first, loaded())
+"""
+
+
+def test_the_derivative_layer_loads_when_a_derivative_is_asked_for():
+    """``import torchside`` and first-order training leave the layer of derivatives
+    unloaded; a backward with ``create_graph=True`` loads it (docs/design.md "Layers").
+    Mutation: ``edges/_edges.py`` importing ``_higher`` at its top again."""
+    out = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True,
+                         check=True)
+    layer = "['torchside.edges._higher', 'torchside.edges._given', 'torchside.edges._derived']"
+    assert out.stdout.strip() == f"[] [] {layer}", out.stdout + out.stderr
+
 # -- import circles and the layer of derivatives ------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bridge", "flaxside", "torchside")
-# The first-order pipeline (NOTE [Call path] in torchside/_call.py) and what sits above it:
+# The first-order pipeline (NOTE [Call path] in torchside/call/_call.py) and what sits above it:
 # the torch.compile edge and the layer of derivatives, reached only through the Edges an
 # owner hands its Caller.
-FIRST_ORDER = ("torchside._resolve", "torchside._call", "torchside._eager", "torchside._entry",
-               "torchside._build", "torchside._values")
-ABOVE = ("torchside._compile", "torchside._higher", "torchside._derived", "torchside._given",
-         "torchside._edges")
+FIRST_ORDER = ("torchside.call._resolve", "torchside.call._call", "torchside.call._eager",
+               "torchside.call._entry", "torchside.call._build", "torchside.call._values")
+ABOVE = ("torchside.edges._compile", "torchside.edges._higher", "torchside.edges._derived",
+         "torchside.edges._given", "torchside.edges._edges")
 
 
 def _module(path: Path) -> str:
@@ -104,6 +128,54 @@ def test_the_checks_above_can_fail():
     assert "a.z" in _reach(graph, "a.x") and not _reach(graph, "a.w")
 
 
+# -- folders are layers -------------------------------------------------------------------------
+# Each package's folders, lowest first: a module imports only from its own folder and the
+# folders below it. A module outside every folder (``torchside._errors``, the wording of
+# every error) is below them all; the package's own front files (``__init__``,
+# ``internal``, ``parity``) re-export and may import any folder.
+LAYERS = {"flaxside": ("jaxprs", "program", "mesh", "adapters", "stacks", "derivatives"),
+          "torchside": ("call", "edges", "owners", "integrations")}
+FRONT = {"flaxside", "flaxside.internal", "torchside"}
+
+
+def _rank(module: str):
+    """``(package, position of the module's folder)``, -1 for a module below every folder."""
+    package, _, rest = module.partition(".")
+    folder = rest.partition(".")[0]
+    layers = LAYERS.get(package, ())
+    return package, layers.index(folder) if folder in layers else -1
+
+
+def _upward(graph: dict) -> list:
+    """Every import of a module from a folder above its own, as ``(module, imported)``."""
+    found = []
+    for module, imported in graph.items():
+        if module in FRONT or module.startswith("torchside.parity"):
+            continue
+        package, mine = _rank(module)
+        for other in imported:
+            theirs_package, theirs = _rank(other)
+            if theirs_package == package and theirs > mine:
+                found.append((module, other))
+    return sorted(found)
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    """flaxside: jaxprs < program < mesh < adapters < stacks < derivatives, so a ``Program``
+    never loads the mesh code; torchside: call < edges < owners < integrations, so the
+    first-order call never loads the derivative layer or Opacus."""
+    assert not _upward(_graph())
+
+
+def test_an_upward_import_is_found():
+    """The check above on made-up graphs: program importing mesh (OnMesh put back into
+    ``program/_placement.py``), and ``_errors`` importing a folder, are each found."""
+    assert _upward({"flaxside.program._placement": {"flaxside.mesh._on_mesh"}}) == [
+        ("flaxside.program._placement", "flaxside.mesh._on_mesh")]
+    assert _upward({"torchside._errors": {"torchside.call._values"}})
+    assert not _upward({"flaxside.mesh._on_mesh": {"flaxside.program._placement"}})
+
+
 # -- one interpreter (NOTE [One interpreter] in flaxside/jaxprs/_interpret.py) -------------------
 INTERPRETER = {"flaxside/jaxprs/_interpret.py", "flaxside/jaxprs/_walk.py"}
 
@@ -121,7 +193,8 @@ def _reading(pattern: str) -> set:
 def test_only_the_interpreter_reads_and_binds_equations():
     """Equations are read (``.eqns``) and bound (``primitive.bind``) in ``flaxside/jaxprs``
     alone: every other walk goes through ``walk``, every evaluation through ``evaluate``
-    with a meaning's rules. Mutation: ``_given.py``'s own ``_evaluate`` loop put back."""
+    with a meaning's rules. Mutation: ``flaxside/derivatives/_given.py``'s own ``_evaluate``
+    loop put back."""
     assert _reading(r"\.eqns\b") <= INTERPRETER, _reading(r"\.eqns\b") - INTERPRETER
     assert _reading(r"primitive\.bind\(") == {"flaxside/jaxprs/_interpret.py"}
     assert len(_reading(r"\.eqns\b")) <= 2
@@ -141,7 +214,7 @@ def _note_definitions() -> dict:
 def test_each_note_is_defined_once_and_indexed_where_it_is():
     """A NOTE defined twice drifts apart (two texts of ``[Higher order]`` and ``[Given
     residuals]`` did); the index in docs/design.md names each NOTE's one file, and every
-    NOTE the library cites is defined. Mutation: ``flaxside/_given.py`` opening with
+    NOTE the library cites is defined. Mutation: ``flaxside/derivatives/_given.py`` opening with
     ``NOTE [Given residuals].`` again."""
     found = _note_definitions()
     assert not {n: f for n, f in found.items() if len(f) > 1}

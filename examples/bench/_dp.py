@@ -7,7 +7,7 @@ sample's gradient, clipped to norm ``CLIP``, summed, Gaussian noise of standard 
 weights and batch (interleaved rounds, medians):
 
 * ``bridge``: the model through ``PrivacyEngine.make_private`` (hooks mode: the block's
-  per-sample gradients from one JAX program, ``torchside/_opacus.py``);
+  per-sample gradients from one JAX program, ``torchside/integrations/_opacus.py``);
 * ``bridge ghost``: the same with ``grad_sample_mode="ghost"`` (fast gradient clipping: the
   block's per-sample norms only, then a second, clipped backward);
 * ``torch``, ``torch ghost``: the torch twin (the same weights) through Opacus alike;

@@ -1,7 +1,7 @@
 """The benchmark's higher-order rows: a gradient-penalty step and a PINN step from torch.
 
 Each step differentiates a Flax block more than once from torch (NOTE [Higher order] in
-``torchside/_higher.py``):
+``torchside/edges/_higher.py``):
 
 * PENALTY (WGAN-GP): a tanh MLP critic; ``gx = autograd.grad(critic(x).sum(), x,
   create_graph=True)``, then ``((gx.norm(dim=1) - 1)**2).mean().backward()``;
@@ -60,8 +60,8 @@ from _orders import bridge_programs, held_by_order, kind_rank  # noqa: E402
 from pinn import PINN, Trunk, fast_loss, jax_loss, laplacian, source  # noqa: E402
 
 from torchside import FlaxModule, jax_function  # noqa: E402
-from torchside._edges import WHOLE_VJPS  # noqa: E402  (internals: the route's switch)
-from torchside._higher import VjpCalls  # noqa: E402
+from torchside.edges._edges import WHOLE_VJPS  # noqa: E402  (internals: the route's switch)
+from torchside.edges._higher import VjpCalls  # noqa: E402
 
 jtu = jax.tree_util
 

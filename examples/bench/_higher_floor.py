@@ -29,7 +29,7 @@ from flaxside.internal import (
     vjp_function,
     vjp_work,
 )
-from torchside._higher import VjpCalls  # the split's threshold (a constant, read once)
+from torchside.edges._higher import VjpCalls  # the split's threshold (a constant, read once)
 
 jtu = jax.tree_util
 
@@ -222,7 +222,7 @@ class _Call(torch.autograd.Function):
 
 
 class _Share:
-    """The bridge's NOTE [Shared linearization] (``torchside/_higher.py``), as small as it
+    """The bridge's NOTE [Shared linearization] (``torchside/edges/_higher.py``), as small as it
     gets: a leaf set (the same tensors, at the same versions) after one with several calls
     is linearized once and applied per call, where the VJP's work reaches the bridge's
     ``SPLIT_MIN_WORK``."""

@@ -26,7 +26,7 @@ outside the timed region):
 * ``bridge, loss in torch, remat dots``: the same for the model under ``nn.remat`` with the
   ``DOTS`` policy (``Dots``), which a user writes to hold the matmul outputs only;
 * ``bridge, loss inside``: the Flax module computes the loss; the scalar-loss route runs
-  one fused program (NOTE [Scalar loss] in ``torchside/_eager.py``);
+  one fused program (NOTE [Scalar loss] in ``torchside/call/_eager.py``);
 * ``torch eager``: the torch twin.
 
 And one full AdamW training step: the bridge with ``torch.optim.AdamW`` against pure JAX

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from torchside._derived import derived_owners
+from torchside.edges._derived import derived_owners
 
 _KIND_ORDER = ("forward_with_residuals", "forward", "backward", "backward_recompute",
                "value_and_grad")

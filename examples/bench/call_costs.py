@@ -227,7 +227,7 @@ def time_breakdown(tiny, calls: int) -> list[tuple[str, float, int]]:
     check, the gradients' views, the waits, and the whole forward and backward.
     """
     from bridge import _held
-    from torchside import _entry
+    from torchside.call import _entry
 
     layer = FlaxModule(tiny.module, variables=tiny.variables)
     x, ct = torch_inputs(tiny)

@@ -1,6 +1,6 @@
 """What one layer's collectives cost on a 2-process CPU mesh (gloo), each way XLA can move it.
 
-The figures behind NOTE [Per-rank stacks] (``flaxside/_per_rank.py``): one layer of the
+The figures behind NOTE [Per-rank stacks] (``flaxside/mesh/_per_rank.py``): one layer of the
 benchmark's sharded block (``_workloads.Block``, width 256: six parameters, 1 MiB in
 float32) moved inside a ``lax.scan`` of 8 iterations under ``shard_map``, per iteration:
 

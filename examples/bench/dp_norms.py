@@ -1,6 +1,6 @@
 """Per-sample gradient norms of the DP-SGD rows' Flax block: summed where made, or after.
 
-The figures quoted for NOTE [Summed squares] (``flaxside/_summed_squares.py``): for the
+The figures quoted for NOTE [Summed squares] (``flaxside/derivatives/_summed_squares.py``): for the
 Flax part of ``_dp.py``'s model (an ``nn.remat_scan`` trunk and a ``Dense`` head), the
 per-sample norms program as Opacus's norm sampler builds it (``summed_squares`` of the
 batched VJP) against the same VJP's per-sample gradients reduced after the fact (every
@@ -23,8 +23,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _dp import CLASSES, SHAPES, Head  # noqa: E402
 
-from flaxside._higher import _moved_axes  # noqa: E402
-from flaxside._summed_squares import squares, summed_squares  # noqa: E402
+from flaxside.derivatives._functions import _moved_axes  # noqa: E402
+from flaxside.derivatives._summed_squares import squares, summed_squares  # noqa: E402
 
 
 def _median_ms(f, args, repeats: int = 9) -> float:

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 from bridge import _exchange as bridge_exchange  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
+from torchside.call._values import EAGER  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402
@@ -117,7 +118,7 @@ def measure(name: str, module: nn.Module, batch: int, width: int, route: str) ->
             peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
                     + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
             programs[kind] = (peak, analysis.temp_size_in_bytes)
-        holds = entry.holding(entry.routes["eager"])
+        holds = entry.holding(entry.routes[EAGER])
         return dict(name=name, route=route, params=len(list(m.parameters())),
                     crossings=counts["dlpack"] if route == "dlpack" else counts["views"],
                     residual_buffers=len(holds.buffers), grad_buffers=len(entry.program.grad_specs),

@@ -1,7 +1,7 @@
 """When sharing a VJP's linearization pays: the PINN step split and whole, by size.
 
 The figures behind ``VjpCalls.SPLIT_MIN_WORK`` (NOTE [Shared linearization] in
-``torchside/_higher.py``). For ``examples/pinn.py``'s model at several sizes (points,
+``torchside/edges/_higher.py``). For ``examples/pinn.py``'s model at several sizes (points,
 width, scan lengths), the bridge's step with the linearization shared (every leaf set
 with several calls split, whatever its work) and with every VJP whole, in interleaved
 rounds, median per step; and ``vjp_work`` of the trunk's VJP (order 2: what the gate
@@ -29,7 +29,7 @@ from _higher import _torch_pinn  # noqa: E402
 from pinn import PINN  # noqa: E402
 
 from flaxside.internal import vjp_work  # noqa: E402
-from torchside._higher import VjpCalls  # noqa: E402
+from torchside.edges._higher import VjpCalls  # noqa: E402
 
 SIZES = [(16, 8, (2, 2)), (64, 16, (2, 2)), (64, 32, (2, 4)), (128, 32, (2, 4)),
          (256, 32, (2, 4)), (1024, 32, (2, 4))]

@@ -1,8 +1,9 @@
 """Reading and evaluating jaxprs: one interpreter, the rules of each meaning beside it.
 
 NOTE [One interpreter] in ``_interpret.py``. The meanings live with what they serve: the
-mesh's packed and per-rank scans (``flaxside/_packed_scans.py``), the per-sample sums of
-squares (``flaxside/_summed_squares.py``), the given residuals (``flaxside/_given.py``).
+mesh's packed and per-rank scans (``flaxside/mesh/_packed_scans.py``), the per-sample sums
+of squares (``flaxside/derivatives/_summed_squares.py``), the given residuals
+(``flaxside/derivatives/_given.py``).
 """
 
 # jax.extend.core holds these in every release the project admits (jax >= 0.8.1).

@@ -60,7 +60,7 @@ def evaluate(jaxpr, consts, args, rules: Mapping[str, Callable] | None = None, s
         state: what the rules read (the meaning's marks, what it gathers with).
         eqns: the equations to run (``live``'s), in order; all of ``jaxpr``'s by default.
         given: ``{var: value}`` known already, never computed again (NOTE [Given VJP] in
-            ``flaxside/_given.py``).
+            ``flaxside/derivatives/_given.py``).
         outvars: the variables to return; ``jaxpr``'s outputs by default.
 
     Returns:

@@ -1,7 +1,7 @@
 """A first-order backward differentiated again reads what the forward saved.
 
-NOTE [Given residuals] in ``torchside/_given.py`` and NOTE [Given VJP] in
-``flaxside/_given.py``: where the first order's residuals give its VJP without rerunning
+NOTE [Given residuals] in ``torchside/edges/_given.py`` and NOTE [Given VJP] in
+``flaxside/derivatives/_given.py``: where the first order's residuals give its VJP without rerunning
 the forward (no remat), a derivative of the backward is a call of the first order's
 backward body on them, and their own VJP in the leaves, with the forward's operations
 taken out. Each result is
@@ -159,7 +159,7 @@ def test_a_call_differentiated_again_after_a_backward_through_its_derivative(
     """A backward through the first derivative's graph frees what its nodes saved: the
     next derivative of the same call makes its residuals' node again, and both steps
     equal pure JAX (the shared linearization of NOTE [Shared linearization] alike)."""
-    from torchside._higher import VjpCalls
+    from torchside.edges._higher import VjpCalls
 
     if route == "split":
         monkeypatch.setattr(VjpCalls, "SHARE_AFTER", 0)

@@ -1,6 +1,6 @@
 """Derivatives of a call's backward: gradient penalties, HVPs, MAML, third order.
 
-NOTE [Higher order] in ``torchside/_higher.py``: with ``create_graph=True`` the backward
+NOTE [Higher order] in ``torchside/edges/_higher.py``: with ``create_graph=True`` the backward
 is a differentiable call of the VJP, to any order. Every result is compared with pure JAX
 differentiating the same function (``jax.grad`` of ``jax.grad``, ``jax.jvp`` of
 ``jax.grad``) on the same values, and with random cotangents where there is one; float64

@@ -1,4 +1,4 @@
-"""A cached call runs in seven library files (NOTE [Call path] in ``torchside/_call.py``).
+"""A cached call runs in seven library files (NOTE [Call path] in ``torchside/call/_call.py``).
 
 A cached eager forward and backward of a ``FlaxModule`` is profiled (cProfile) and the
 library files whose code ran are compared with the seven that NOTE names; the DLPack route
@@ -22,11 +22,11 @@ from torchside import FlaxModule
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("bridge", "flaxside", "torchside")
-HOT = {"torchside/_module.py", "torchside/_resolve.py", "torchside/_call.py",
-       "torchside/_eager.py", "torchside/_entry.py",
+HOT = {"torchside/owners/_module.py", "torchside/call/_resolve.py", "torchside/call/_call.py",
+       "torchside/call/_eager.py", "torchside/call/_entry.py",
        "bridge/_exchange.py", "bridge/_held.py"}
 # Without gradients a call makes no autograd node: the eager edge's file does not run.
-NO_GRAD = HOT - {"torchside/_eager.py"}
+NO_GRAD = HOT - {"torchside/call/_eager.py"}
 
 
 class MLP(nn.Module):
@@ -59,7 +59,7 @@ class NnxMLP(nnx.Module):
 KINDS = {
     "linen-rng": (lambda: FlaxModule(Dropped(), example_args=(torch.zeros(4, 8),),
                                      rngs=("dropout",)), set()),
-    "nnx": (lambda: FlaxModule(NnxMLP(nnx.Rngs(0))), {"flaxside/_nnx.py"}),
+    "nnx": (lambda: FlaxModule(NnxMLP(nnx.Rngs(0))), {"flaxside/adapters/_nnx.py"}),
 }
 
 

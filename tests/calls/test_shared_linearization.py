@@ -1,6 +1,6 @@
 """Calls of one VJP that differ only in their cotangents share its linearization.
 
-NOTE [Shared linearization] in ``torchside/_higher.py``: a PINN's Laplacian differentiates
+NOTE [Shared linearization] in ``torchside/edges/_higher.py``: a PINN's Laplacian differentiates
 its first derivative back through the block's call once per dimension, so the block's VJP
 is called several times on the same leaves. From the second step on, the bridge splits it
 into ``linearize`` (run once per leaf set, its backward once, torch summing what every
@@ -30,7 +30,7 @@ from flaxside.internal import (
 from tests.calls.test_higher_order import OWNERS, TanhLayer, _apply, _close, _linen
 from tests.support import pipeline
 from tests.support.references import to_jax
-from torchside._higher import VjpCalls
+from torchside.edges._higher import VjpCalls
 
 
 def _pinn_loss(m, x):

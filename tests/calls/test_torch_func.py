@@ -1,6 +1,6 @@
 """``torch.func`` over calls: grad, vjp, jacrev, hessian, jvp, jacfwd, vmap, ensembles.
 
-NOTE [torch.func] in ``torchside/_higher.py``. References are pure JAX (``jax.grad``,
+NOTE [torch.func] in ``torchside/edges/_higher.py``. References are pure JAX (``jax.grad``,
 ``jax.jvp``, ``jax.hessian``) on the same values, or the module called in a loop (per-sample
 gradients, ensembles). Refusals (a custom VJP under forward mode, state written back under
 a transform, dropout under ``vmap(randomness="error")``) name the path and the fix.

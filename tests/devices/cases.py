@@ -251,17 +251,17 @@ def test_jax_function(residuals):
 @pytest.mark.parametrize("lengths", [(2, 2), "auto"], ids=["two_levels", "auto"])
 def test_linen_remat_stack(lengths, monkeypatch):
     measured = []
-    real = flaxside._lengths.memory_report
+    real = flaxside.stacks._lengths.memory_report
 
     def spy(*args, **kwargs):
         # The bridge's own measurements: those made while it compiles a program. The pure
         # JAX reference measures too, for JAX's default device, where a plain jit of it
         # would run: flaxside cannot see inside a user's jit where its arguments live.
-        if flaxside._device.target_device() is not None:
+        if flaxside.program._compiling_for.target_device() is not None:
             measured.append(kwargs.get("device"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(flaxside._lengths, "memory_report", spy)
+    monkeypatch.setattr(flaxside.stacks._lengths, "memory_report", spy)
     watch = Placement()
     with reference_on(RIGHT), torch.device(TORCH):
         check_linen(flaxside.remat_stack(ResidualMLPBlock, 4, lengths=lengths, width=8),

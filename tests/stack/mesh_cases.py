@@ -6,7 +6,7 @@ Each case builds a ``flaxside`` program of a stack placed ``OnMesh`` over the tw
 (parameters sharded FSDP-style on their last dimension that divides, the batch on its
 first), runs its compiled programs on global arrays, and checks them against the same
 program on one device, and each loop body's collectives (NOTE [One collective per layer]
-in ``flaxside/_placement.py``).
+in ``flaxside/mesh/_on_mesh.py``).
 """
 
 import os
@@ -295,7 +295,7 @@ def test_a_sum_in_another_dtype_is_refused_only_where_a_gradient_is_summed_elsew
     _per_rank(_loop_collectives(sharded))
 
 
-# -- mixed precision (NOTE [Mixed precision] in flaxside/_placement.py) ----------------------
+# -- mixed precision (NOTE [Mixed precision] in flaxside/mesh/_on_mesh.py) -----------------------
 def _partitioned(dump, program) -> dict:
     """Per program kind, per while-loop body, ``(op, element type)`` of each collective as
     XLA's SPMD partitioner emitted it: read from the module XLA_FLAGS dumps after the

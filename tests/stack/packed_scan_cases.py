@@ -5,8 +5,8 @@ Not collected by the main run (no ``test_`` prefix): two host devices, in a subp
 Each case builds a ``flaxside`` program of a stock Flax stack (``nn.remat_scan``,
 ``nn.scan`` with and without ``nn.remat``, ``nnx.scan``) placed ``OnMesh`` over the two
 devices, checks its results and gradients against the same program on one device, and
-counts each loop body's collectives (NOTE [Packed scans] in ``flaxside/_packed_scans.py``,
-NOTE [Per-rank scans] in ``flaxside/_per_rank_scans.py``).
+counts each loop body's collectives (NOTE [Packed scans] in ``flaxside/mesh/_packed_scans.py``,
+NOTE [Per-rank scans] in ``flaxside/mesh/_per_rank_scans.py``).
 """
 
 import jax
@@ -145,7 +145,7 @@ def test_without_packing_the_count_finds_a_gather_per_parameter(monkeypatch):
     """The negative control: with ``OnMesh.call`` calling the function as it is, XLA's
     partitioner gathers each parameter of a layer on its own and reduces their gradients
     in several collectives, and the count sees both."""
-    from flaxside._placement import OnMesh
+    from flaxside.mesh._on_mesh import OnMesh
 
     monkeypatch.setattr(OnMesh, "call", lambda self, fn, read: fn(read))
     counts = _check(*_linen(STACKS["scan"]()))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import flaxside
-from flaxside._lengths import candidate_lengths, factorizations, pick_lengths
+from flaxside.stacks._lengths import candidate_lengths, factorizations, pick_lengths
 from tests.support.stacks import W, assert_close, data, jit_vjp, unrolled_linen
 from tests.support.twins import ResidualMLPBlock
 

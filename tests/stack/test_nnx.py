@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import flaxside
-from flaxside._lengths import candidate_lengths
+from flaxside.stacks._lengths import candidate_lengths
 from tests.support.stacks import (
     LENGTH_IDS,
     LENGTHS,

@@ -4,8 +4,8 @@ Fast gradient clipping (Opacus's ghost mode) needs each sample's gradient norm o
 per-sample VJP of a scanned block stacks every sample's gradient of every layer; reducing
 that stack afterwards stores all of them as XLA temporaries. ``summed_squares`` moves the
 reduction into the scans, checkpoints, nested ``jit`` and transposes that make each output
-(NOTE [Summed squares] in ``flaxside/_summed_squares.py``). Each case is compared with the
-sums of the outputs as ``f`` returns them; the memory case also with the compiled
+(NOTE [Summed squares] in ``flaxside/derivatives/_summed_squares.py``). Each case is compared
+with the sums of the outputs as ``f`` returns them; the memory case also with the compiled
 program's temporaries of that reference, which store every per-sample gradient.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from flaxside import jaxprs
-from flaxside._higher import _moved_axes
-from flaxside._summed_squares import squares, summed_squares
+from flaxside.derivatives._functions import _moved_axes
+from flaxside.derivatives._summed_squares import squares, summed_squares
 from tests.support.closeness import close
 from tests.support.twins import ReadmeBlock, ReadmeDeep
 

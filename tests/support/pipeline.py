@@ -92,7 +92,7 @@ def variables_from(module, values: list):
 def derived_programs(owner) -> list:
     """The programs of the calls derived from the owner's (NOTE [Higher order]: a
     backward differentiated again, torch.func's vmap), in entry order."""
-    from torchside._derived import derived_owners
+    from torchside.edges._derived import derived_owners
 
     return [e.program for entry in entries(owner) for derived in derived_owners(entry)
             for e in entries(derived)]
@@ -102,7 +102,7 @@ class Runs(collections.Counter):
     """``{(program name, kind): runs}``; a program that never ran reads 0 only if it exists.
 
     A zero read for a name no program has would pass vacuously when a program is renamed
-    (mutation: the derived programs renamed in ``torchside/_derived.py``): it raises instead.
+    (mutation: the derived programs renamed in ``torchside/edges/_derived.py``): it raises instead.
     """
 
     def __missing__(self, key):
@@ -125,7 +125,7 @@ class Runs(collections.Counter):
 @contextlib.contextmanager
 def program_runs():
     """Counts the program runs of every entry while active: a ``Runs``."""
-    from torchside._entry import Entry
+    from torchside.call._entry import Entry
 
     runs = Runs()
     run = Entry.run
@@ -144,16 +144,16 @@ def program_runs():
 def whole_vjps(owner) -> None:
     """The owner's backwards differentiated again take the whole VJP or the shared
     linearization, never the given residuals' route (its edges: ``WHOLE_VJPS``)."""
-    from torchside._edges import WHOLE_VJPS
+    from torchside.edges._edges import WHOLE_VJPS
 
     owner._caller.edges = WHOLE_VJPS
 
 
 def shared_residuals(owner) -> list:
     """The residual tensors still alive that the owner's VJP calls may share
-    (NOTE [Shared linearization] in ``torchside/_higher.py``)."""
-    from torchside._derived import owners_of
-    from torchside._higher import VjpCalls
+    (NOTE [Shared linearization] in ``torchside/edges/_higher.py``)."""
+    from torchside.edges._derived import owners_of
+    from torchside.edges._higher import VjpCalls
 
     out = []
     for entry in entries(owner):

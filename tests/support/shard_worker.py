@@ -271,7 +271,7 @@ def stack(sharded: bool, device: str, rank: int, world: int, remat_scan_block) -
     """A ``flaxside.remat_stack`` of the same 8 layers as ``block()``, sharded or whole,
     trained 3 SGD steps on this rank's rows; its parameters (gathered) before and after,
     and the collectives of each loop body of its programs and of ``remat_scan_block``'s
-    (NOTE [One collective per layer] in ``flaxside/_placement.py``)."""
+    (NOTE [One collective per layer] in ``flaxside/mesh/_on_mesh.py``)."""
 
     def make():
         return FlaxModule(flaxside.remat_stack(ReadmeBlock, 8, lengths=LENGTHS, width=WIDTH),

@@ -6,7 +6,7 @@ and functorch modes) must equal the twin's and pure JAX's ``vmap(grad)`` of the 
 block; three DP-SGD steps of ``PrivacyEngine.make_private`` (clipping, with and without
 noise, Poisson sampling on and off) must move the parameters as the twin's. The per-sample
 gradients of the block come from one JAX program: ``vmap`` over the batch of the block's
-VJP with the cotangents Opacus's backward hook captured (``torchside/_opacus.py``).
+VJP with the cotangents Opacus's backward hook captured (``torchside/integrations/_opacus.py``).
 """
 
 import jax
@@ -146,7 +146,7 @@ def test_the_comparison_sees_a_wrong_cotangent(monkeypatch):
     per-sample cotangent not used) must fail the comparison of the test above."""
     from opacus.grad_sample import GradSampleModule as Hooks
 
-    from torchside._opacus import per_sample_gradients
+    from torchside.integrations._opacus import per_sample_gradients
 
     monkeypatch.setitem(Hooks.GRAD_SAMPLERS, FlaxModule, lambda m, a, b: per_sample_gradients(
         m, a, torch.ones_like(b)))
@@ -156,7 +156,7 @@ def test_the_comparison_sees_a_wrong_cotangent(monkeypatch):
 
 def test_arguments_not_batch_first_are_refused_by_name():
     layer = FlaxModule(TanhMLP(HIDDEN, OUT), example_args=(torch.zeros(2, WIDTH),))
-    from torchside._opacus import per_sample_gradients
+    from torchside.integrations._opacus import per_sample_gradients
 
     with pytest.raises(ValueError, match=r"positional argument 0 has shape \(4, 8\).*"
                                          r"batch \(6 samples"):

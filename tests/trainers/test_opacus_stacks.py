@@ -69,7 +69,7 @@ def test_scan_stacked_per_sample_gradients_come_as_views_not_moved_by_the_progra
     view of the program's output instead (not contiguous; contiguous with the batch moved
     back behind a layer axis), equal to pure JAX's. Opacus copies what a grad sampler
     returns into its own ``grad_sample`` anyway."""
-    from torchside._opacus import per_sample_gradients
+    from torchside.integrations._opacus import per_sample_gradients
 
     layer, x, weights, want = _scan_stack_case()
     names = {p: n for n, p in layer.named_parameters()}
@@ -86,7 +86,7 @@ def test_scan_stacked_per_sample_gradients_come_as_views_not_moved_by_the_progra
 def test_per_sample_norms_of_a_scan_stack_equal_pure_jax():
     """The norm sampler reduces each stacked leaf's per-sample gradients where the program
     computed them (batch behind the layer axes) to one norm per sample."""
-    from torchside._opacus import per_sample_norms
+    from torchside.integrations._opacus import per_sample_norms
 
     layer, x, weights, want = _scan_stack_case()
     names = {p: n for n, p in layer.named_parameters()}

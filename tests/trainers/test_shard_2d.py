@@ -15,7 +15,7 @@ gradients are each rank's own, whole over the "tensor" ranks; a deep copy comput
 same; the 2x2 ``torch.distributed.checkpoint`` loads into one process; an NNX module's
 ``nnx.with_partitioning`` names go through the same rules (one dimension over both axes).
 Then, in this process: the specs, DTensor placements and JAX mesh ``shard`` derives
-(``torchside/_shard_specs.py``) and its refusals.
+(``torchside/integrations/_shard_specs.py``) and its refusals.
 """
 
 import os
@@ -36,8 +36,8 @@ from tests.support.ranks import run_ranks, run_reference
 from tests.support.tp_block import TPStack, twin_state
 from tests.support.twins import ReadmeDeep
 from torchside import FlaxModule, shard
-from torchside._shard_specs import batch_axes_on as _batch_axes
-from torchside._shard_specs import leaf_spec as _leaf_spec
+from torchside.integrations._shard_specs import batch_axes_on as _batch_axes
+from torchside.integrations._shard_specs import leaf_spec as _leaf_spec
 
 pytestmark = pytest.mark.processes  # gloo ranks: alone under pytest-xdist (conftest)
 
@@ -220,8 +220,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torchside._shard_specs import batch_axes_on as _batch_axes, jax_mesh as _jax_mesh
-from torchside._shard_specs import dtensor_placements as _placements, leaf_spec as _leaf_spec
+from torchside.integrations._shard_specs import batch_axes_on as _batch_axes, jax_mesh as _jax_mesh
+from torchside.integrations._shard_specs import dtensor_placements as _placements
+from torchside.integrations._shard_specs import leaf_spec as _leaf_spec
 
 devices = jax.devices()
 checked = 0

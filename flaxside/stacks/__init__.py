@@ -1,0 +1,1 @@
+"""``remat_stack`` (Linen and NNX), its loop lengths, and the memory a block holds."""

@@ -1,0 +1,1 @@
+"""Other libraries' ways of using an owner: Opacus's per-sample gradients, sharded blocks."""

@@ -1,0 +1,1 @@
+"""The owners users hold: ``FlaxModule`` (with its variables and initializer), ``jax_function``."""
