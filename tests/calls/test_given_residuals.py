@@ -145,7 +145,7 @@ def test_the_given_residuals_live_no_longer_than_the_graph():
     (g1,) = torch.autograd.grad(y, x, torch.randn(2, 3), create_graph=True)
     (g2,) = torch.autograd.grad(y, x, torch.randn(2, 3), create_graph=True)
     (g1**2).sum().backward()
-    given = y.grad_fn.__dict__["given"]  # the call's context (torch's Function node)
+    given = y.grad_fn.derivatives.given  # the call's context (torch's Function node)
     refs = [weakref.ref(t) for t in given] + [weakref.ref(y.grad_fn)]
     assert g2.grad_fn is not None
     del y, g1, g2, given

@@ -35,9 +35,11 @@ class RecompileWarning(UserWarning):
     """
 
 
-# Frames in these directories are ours or torch's module-call machinery: the warning points
-# at the first frame outside them, the user's call.
-_INTERNAL = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+# Frames in these directories are ours (the whole torchside package, this file's folder's
+# parent) or torch's module-call machinery: the warning points at the first frame outside
+# them, the user's call.
+_INTERNAL = (os.path.dirname(os.path.dirname(__file__)) + os.sep,
+             os.path.dirname(torch.__file__) + os.sep)
 
 
 def _user_stacklevel() -> int:
