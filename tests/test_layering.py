@@ -176,6 +176,29 @@ def test_an_upward_import_is_found():
     assert not _upward({"flaxside.mesh._on_mesh": {"flaxside.program._placement"}})
 
 
+
+def _private_imports(files) -> list:
+    """``(module, name)`` for each private name a library file imports from another module
+    (a private module itself, ``from torchside import _errors``, is not one)."""
+    known = {_module(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] in PACKAGES):
+                found += [(node.module, a.name) for a in node.names
+                          if a.name.startswith("_") and f"{node.module}.{a.name}" not in known]
+    return found
+
+
+def test_no_private_name_crosses_a_module():
+    """What another module uses is public in the module that defines it (``executes``,
+    ``Program.pull``...). Mutation: ``from torchside.edges._derived import _executes``."""
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    assert not _private_imports(files)
+    made_up = ROOT / "tests" / "support" / "private_import_case.py"
+    assert _private_imports([made_up]) == [("torchside.edges._derived", "_executes")]
+
 # -- one interpreter (NOTE [One interpreter] in flaxside/jaxprs/_interpret.py) -------------------
 INTERPRETER = {"flaxside/jaxprs/_interpret.py", "flaxside/jaxprs/_walk.py"}
 

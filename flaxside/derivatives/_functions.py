@@ -57,10 +57,10 @@ def vjp_function(program: Program, wanted: tuple[int, ...] | None = None) -> Cal
         leaves = list(leaves)
 
         def differentiated(*diff):
-            return program._traced_results(replaced(leaves, index, diff))[:n_out]
+            return program.traced_results(replaced(leaves, index, diff))[:n_out]
 
         _, vjp = jax.vjp(differentiated, *[leaves[i] for i in index])
-        return program._pull(vjp, list(cotangents), index)
+        return program.pull(vjp, list(cotangents), index)
 
     return f
 
@@ -76,7 +76,7 @@ def jvp_function(program: Program) -> Callable:
         leaves = list(leaves)
 
         def diff_only(*diff):
-            results = program._traced_results(replaced(leaves, program.diff_index, diff))
+            results = program.traced_results(replaced(leaves, program.diff_index, diff))
             return [results[k] for k in program.diff_out_index]
 
         primals = [leaves[i] for i in program.diff_index]
@@ -116,7 +116,7 @@ def batched_function(program: Program, in_axes: tuple) -> Batched:
     def at(out_axes):
         def h(leaves):
             def one(*leaves):
-                return program._traced_results(list(leaves))
+                return program.traced_results(list(leaves))
 
             return jax.vmap(one, in_axes=in_axes, out_axes=out_axes)(*leaves)
 

@@ -55,7 +55,7 @@ def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
 
     def z_of(leaves) -> list:
         """``Z``: the saved results, then the residuals unpacked, as the forward made them."""
-        results, vjp = program._vjp(list(leaves))
+        results, vjp = program.traced_vjp(list(leaves))
         sources, residuals, _ = vjp_sources(list(leaves), results, jtu.tree_leaves(vjp))
         if sources != rmap.sources:  # another trace would disagree with the compiled one
             raise AssertionError(f"{program.name}: the VJP's leaves differ between two "
@@ -70,7 +70,7 @@ def given_vjp(program: Program, wanted: tuple[int, ...] | None = None):
         pools = {"in": [leaves[j] for j in rmap.saved_inputs], "out": z[:n_saved],
                  "res": z[n_saved:]}
         vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
-        grads = program._pull(vjp, list(cotangents))
+        grads = program.pull(vjp, list(cotangents))
         return [grads[p] for p in wanted]
 
     index = tuple(program.diff_index[p] for p in wanted)

@@ -91,7 +91,7 @@ class TracedBodies:
         results = distinct([jnp.asarray(x) for x in out_leaves + list(aux)], leaves)
         return results, Structure(out_treedef, len(out_leaves), write_back)
 
-    def _pull(self, vjp, cotangents, index=None) -> list:
+    def pull(self, vjp, cotangents, index=None) -> list:
         """The gradients for ``cotangents`` (torch's convention) of the leaves at ``index``.
 
         ``vjp`` differentiates the leaves at ``index`` (``None``: every ``diff`` leaf).
@@ -108,17 +108,17 @@ class TracedBodies:
         return [placement.constrain(g, self._in_shardings[i])
                 for g, i in zip(grads, index, strict=True)]
 
-    def _traced_results(self, leaves) -> list:
+    def traced_results(self, leaves) -> list:
         results, structure = self._results(leaves)
         self._structure.check_again(structure, self.name)
         constrain = self.placement.constrain
         return [constrain(r, s) for r, s in zip(results, self._out_shardings, strict=True)]
 
-    def _vjp(self, leaves):
+    def traced_vjp(self, leaves):
         """``jax.vjp`` over the diff leaves: ``(results, vjp)``."""
 
         def differentiated(*diff):
-            results = self._traced_results(replaced(leaves, self.diff_index, diff))
+            results = self.traced_results(replaced(leaves, self.diff_index, diff))
             return results[: self.n_out], results[self.n_out :]
 
         outs, vjp, aux = jax.vjp(
@@ -141,13 +141,13 @@ class TracedBodies:
 
     def _forward_body(self, leaves, *fence):
         self.trace_count += 1
-        return self._traced_results(leaves)
+        return self.traced_results(leaves)
 
     def _forward_res_body(self, leaves, *fence) -> Carrying:
         """Results then residual buffers, carrying the ``ResidualMap`` this trace learned."""
         self.trace_count += 1
         leaves = list(leaves)
-        results, vjp = self._vjp(leaves)
+        results, vjp = self.traced_vjp(leaves)
         vjp_leaves, vjp_treedef = jtu.tree_flatten(vjp)
         sources, residuals, saved = vjp_sources(leaves, results, vjp_leaves)
         # Typed PRNG keys (a remat'd dropout keeps its key) cannot cross to torch: they
@@ -174,19 +174,19 @@ class TracedBodies:
         ]
         pools = {"in": saved_inputs, "out": saved_outputs, "res": residuals}
         vjp = jtu.tree_unflatten(rmap.vjp_treedef, [pools[k][i] for k, i in rmap.sources])
-        grads = self._pull(vjp, cotangents)
+        grads = self.pull(vjp, cotangents)
         return pack(distinct(grads, list(cotangents) + list(saved_inputs)
                               + list(saved_outputs) + list(residuals)), self.grad_pack)
 
     def _backward_recompute_body(self, leaves, cotangents, *fence):
         self.trace_count += 1
-        _, vjp = self._vjp(list(leaves))
-        grads = self._pull(vjp, cotangents)
+        _, vjp = self.traced_vjp(list(leaves))
+        grads = self.pull(vjp, cotangents)
         return pack(distinct(grads, list(cotangents) + list(leaves)), self.grad_pack)
 
     def _value_and_grad_body(self, leaves, *fence):
         self.trace_count += 1
-        results, vjp = self._vjp(list(leaves))
+        results, vjp = self.traced_vjp(list(leaves))
         spec = self._traced_out[self.diff_out_index[0]]
-        grads = self._pull(vjp, [jnp.ones(spec.shape, spec.dtype)])
+        grads = self.pull(vjp, [jnp.ones(spec.shape, spec.dtype)])
         return results + pack(distinct(grads, list(leaves) + results), self.grad_pack)

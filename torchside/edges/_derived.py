@@ -104,7 +104,7 @@ def derived_owners(entry) -> list[Derived]:
     return [o for o in entry.derived.values() if isinstance(o, Derived)]
 
 
-def _executes(node) -> bool:
+def executes(node) -> bool:
     """Whether the running backward executes ``node`` (and so reads the gradient sent to it).
 
     torch refuses the question for a node ``autograd.grad`` captures its result at (one of

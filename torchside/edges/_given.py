@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from flaxside.internal import given_vjp
-from torchside.edges._derived import _executes, derived, owners_of, shared_by
+from torchside.edges._derived import derived, executes, owners_of, shared_by
 
 _NOT_YET = object()
 
@@ -53,7 +53,7 @@ def given_backward(edges, entry, key, leaves: list, z, cots: list, ctx) -> list 
     if z:
         shared = shared_by(ctx)
         outputs = shared.given
-        if outputs is None or not _alive(outputs):
+        if outputs is None or not alive(outputs):
             # Detached: a saved result torch hands back has this call's node as its
             # grad_fn, which the bundle would keep alive through the node it makes.
             outputs = shared.given = GivenResiduals.apply(
@@ -64,7 +64,7 @@ def given_backward(edges, entry, key, leaves: list, z, cots: list, ctx) -> list 
     return apply(list(leaves), list(outputs), list(cots))
 
 
-def _alive(outputs) -> bool:
+def alive(outputs) -> bool:
     """Whether the node that made ``outputs`` still has what its backward reads.
 
     A backward through it without ``retain_graph`` frees that: the next derivative makes
@@ -107,7 +107,7 @@ class GivenResiduals(torch.autograd.Function):
         n = len(saved) - len(cots)
         leaves, z = list(saved[:n]), list(saved[n:])
         nodes = [node for node, _ in ctx.next_functions]
-        wanted = tuple(p for p, slot in enumerate(entry.grad_slots) if _executes(nodes[slot]))
+        wanted = tuple(p for p, slot in enumerate(entry.grad_slots) if executes(nodes[slot]))
         out = [None] * n
         if not wanted or all(c is None for c in cots):
             return (None, *out)

@@ -63,8 +63,8 @@ from flaxside.internal import (
 from torchside import _errors
 from torchside.call._call import Caller
 from torchside.call._values import RESIDUALS, TRANSFORMED
-from torchside.edges._derived import Derived, _executes, derived, owners_of, shared_by
-from torchside.edges._given import _alive, given_backward
+from torchside.edges._derived import Derived, derived, executes, owners_of, shared_by
+from torchside.edges._given import alive, given_backward
 
 
 # -- a backward differentiated again (Edges.differentiate) ------------------------------------
@@ -130,7 +130,7 @@ def differentiable_backward(edges, entry, leaves: list, cots: list, nodes=None,
     used = tuple(c is not None for c in cots)
     none = entry.unreached(used) if not all(used) else ()
     wanted = tuple(p for p, slot in enumerate(entry.grad_slots)
-                   if p not in none and (nodes is None or _executes(nodes[slot])))
+                   if p not in none and (nodes is None or executes(nodes[slot])))
     out = [None] * n
     if not wanted:
         return out
@@ -215,7 +215,7 @@ class VjpCalls:
             self._calls += 1
             computed = shared[0]  # (the leaves' identities, the residuals), set at once
             if (computed is not None and _same(computed[0], leaves)
-                    and _alive(computed[1])):  # (a backward through them frees them)
+                    and alive(computed[1])):  # (a backward through them frees them)
                 return self._apply(leaves, computed[1], cots)
         if not self._split:
             return self._whole_vjp(entry)(leaves, cots)
