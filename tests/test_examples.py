@@ -28,7 +28,11 @@ TINY_ARGS = {
                        "--rounds", "1"],  # without a GPU it says so and exits 0
     "train_digits.py": ["--depth", "8", "--epochs", "1", "--limit", "128", "--batch", "32"],
     "train_dp.py": ["--depth", "4", "--epochs", "1", "--limit", "128", "--batch", "32"],
-    "bench/benchmark.py": ["--smoke", "--out", "{out}"],
+    # The benchmark's parts in two runs: its sharded part starts gloo ranks, so it runs
+    # alone under pytest-xdist (conftest); the others run beside the other worker's tests.
+    "bench/benchmark.py": ["--smoke", "--out", "{out}", "--only",
+                           "tiny,medium,deep,leaves,lm,higher,dp,sweep,leafsweep"],
+    "bench/benchmark.py:shard": ["--smoke", "--out", "{out}", "--only", "shard"],
     "exit_aborts.py": ["--runs", "1"],
     "pinn.py": ["--steps", "40", "--points", "64", "--out", "{out}"],
     "train_sharded.py": ["--steps", "3", "--lengths", "2", "2", "--width", "16",
@@ -53,10 +57,12 @@ def _scripts() -> list[str]:
 
 
 def _run(name: str, tmp_path) -> subprocess.CompletedProcess:
+    """Runs the example ``name`` (``script`` or ``script:part``) at its tiny size."""
     args = [a.format(out=tmp_path) for a in TINY_ARGS[name]]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
+    script = name.partition(":")[0]
     done = subprocess.run(
-        [sys.executable, *LAUNCHERS.get(name, []), str(EXAMPLES / name), *args],
+        [sys.executable, *LAUNCHERS.get(script, []), str(EXAMPLES / script), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -149,6 +155,12 @@ def _check_benchmark(done, out) -> None:
     assert penalty == {(1, "forward_with_residuals"): 1,
                        (2, "given apply forward_with_residuals"): 1,
                        (2, "given apply backward"): 1, (2, "given transpose forward"): 1}, penalty
+    assert not results["shard"]  # its own run: _check_benchmark_shard
+
+
+def _check_benchmark_shard(done, out) -> None:
+    results = json.loads((out / "results.json").read_text())
+    assert not results["workloads"] and not results["dp"], results
     (shard,) = results["shard"]  # 2 processes, four contestants and two in bfloat16
     assert shard["mismatch"] < 1e-4, shard["losses"]
     assert shard["mismatch_bf16"] < 2.0**-5, shard["losses"]
@@ -229,6 +241,7 @@ CHECKS = {
     "train_digits.py": _check_train_digits,
     "train_dp.py": _check_train_dp,
     "bench/benchmark.py": _check_benchmark,
+    "bench/benchmark.py:shard": _check_benchmark_shard,
     "train_lm.py": _check_train_lm,
     "exit_aborts.py": _check_exit_aborts,
     "pinn.py": _check_pinn,
@@ -242,13 +255,13 @@ CHECKS = {
 
 
 # Examples that start ranks over gloo (torchrun's, the benchmark's sharded part).
-PROCESSES = {"train_sharded.py", "bench/benchmark.py", "bench/collectives.py",
+PROCESSES = {"train_sharded.py", "bench/benchmark.py:shard", "bench/collectives.py",
              "bench/shard2d.py"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.processes) if n in PROCESSES
-                                  else n for n in _scripts()])
+                                  else n for n in [*_scripts(), "bench/benchmark.py:shard"]])
 def test_example_runs(name, tmp_path):
     assert name in TINY_ARGS, f"add tiny-size arguments for {name} to TINY_ARGS in this file"
     done = _run(name, tmp_path)
