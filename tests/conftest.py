@@ -25,6 +25,13 @@ def _seed():
     torch.manual_seed(0)
 
 
+# The files that take longest (minutes: the examples' runs, the parity matrix), collected
+# first: pytest-xdist's ``--dist loadfile`` hands files out in collection order, so a long
+# file collected last keeps one worker busy while the other has run out of work.
+FIRST = ("tests/test_examples.py", "tests/parity/test_matrix.py",
+         "tests/calls/test_shared_linearization.py")
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available() and any(
         d.platform == "gpu" for d in jax.devices()
@@ -33,6 +40,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+    rank = {path: k for k, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(FIRST)))
 
 
 @contextlib.contextmanager
