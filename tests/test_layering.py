@@ -56,7 +56,8 @@ PACKAGES = ("bridge", "flaxside", "torchside")
 # the torch.compile edge and the layer of derivatives, reached only through the Edges an
 # owner hands its Caller.
 FIRST_ORDER = ("torchside.call._resolve", "torchside.call._call", "torchside.call._eager",
-               "torchside.call._entry", "torchside.call._build", "torchside.call._values")
+               "torchside.call._entry", "torchside.call._build", "torchside.call._values",
+               "torchside.call._routes")
 ABOVE = ("torchside.edges._compile", "torchside.edges._higher", "torchside.edges._derived",
          "torchside.edges._given", "torchside.edges._edges")
 

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 from bridge import _exchange as bridge_exchange  # noqa: E402
 from torchside import FlaxModule  # noqa: E402
-from torchside.call._values import EAGER  # noqa: E402
+from torchside.call._routes import EAGER  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _docs  # noqa: E402

@@ -3,7 +3,7 @@
 Small gradients leave a program packed, one buffer per dtype, with gradients of one shape
 side by side (``flaxside``'s ``pack_plan``); the torch side views a run of one shape with
 one ``unbind``, and a buffer of mostly distinct shapes with one ``unflatten_dense_tensors``
-(``GradientViews`` in ``torchside/call/_values.py``). Each case is compared with ``jax.vjp`` of
+(``GradientViews`` in ``torchside/call/_routes.py``). Each case is compared with ``jax.vjp`` of
 the same Flax function under a random cotangent, and every packed gradient must share the
 one buffer's memory (torch's ``AccumulateGrad`` took the view, no copy).
 """

@@ -173,3 +173,17 @@ def test_a_saved_module_gives_the_same_outputs_in_a_fresh_process(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "y.pt", weights_only=True), expected,
                                rtol=0, atol=0)
+
+
+def test_route_kinds_are_themselves_after_a_copy_or_a_pickle():
+    """Edges and route programs are compared by identity (NOTE [Routes]); a deep copy or an
+    unpickled value of one is the same object, so a copied dictionary keyed by them (an
+    entry's routes) still answers for ``EAGER``. Mutation: ``__deepcopy__`` removed."""
+    import copy
+    import pickle
+
+    from torchside.call._routes import ALL_EDGES, EAGER, FUSED, PLAIN, RECOMPUTE, RESIDUALS
+
+    for kind in (*ALL_EDGES, PLAIN, RESIDUALS, RECOMPUTE, FUSED):
+        assert copy.deepcopy(kind) is kind and pickle.loads(pickle.dumps(kind)) is kind
+    assert copy.deepcopy({EAGER: 1})[EAGER] == 1

@@ -1,7 +1,7 @@
 """Building one signature's entry, on a cache miss (never on the per-call path).
 
 ``build`` makes the ``Entry`` (NOTE [Call path] in ``_call.py``) and the values it keeps:
-its ``Layout``, its ``Route`` per edge, how its gradients are viewed (``_values.py``). The
+its ``Layout``, its ``Route`` per edge, how its gradients are viewed (``_routes.py``). The
 checks it runs are in ``_checks.py``.
 """
 
@@ -27,7 +27,7 @@ from flaxside.internal import (
 )
 from torchside.call import _checks
 from torchside.call._entry import Entry
-from torchside.call._values import (
+from torchside.call._routes import (
     ALL_EDGES,
     FUSED,
     PLAIN,
@@ -37,9 +37,8 @@ from torchside.call._values import (
     GradientViews,
     Layout,
     Route,
-    TensorMeta,
-    arg_names,
 )
+from torchside.call._values import TensorMeta, arg_names
 
 jtu = jax.tree_util
 

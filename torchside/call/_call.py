@@ -13,7 +13,7 @@ changes, resolved, and the owner's ``write_back``:
 2. ``Caller.prepare``: the variables' held arrays (``bridge.internal.HeldArrays``), the
    ``Signature``, its ``Entry`` from the LRU cache (built on a miss, ``_build.build``), and
    the RNG slot, drawn from torch's generator only if the entry's programs read it.
-3. The edge, the one step where calls differ (NOTE [Routes] in ``_values.py``): eagerly
+3. The edge, the one step where calls differ (NOTE [Routes] in ``_routes.py``): eagerly
    ``BridgeFunction`` (``_eager.py``; no autograd at all when nothing needs a gradient);
    under ``torch.compile`` the ``flaxtorch::forward`` op (``edges/_compile.py``), whose
    implementation is steps 2 and 4 again; under ``torch.func`` a call of the layer above
@@ -68,7 +68,8 @@ from torchside.call._eager import apply_bridge
 from torchside.call._entry import Entry, apply_write_back
 from torchside.call._options import check_choice, check_positive_int
 from torchside.call._recompile import RecompileMonitor
-from torchside.call._values import EAGER, Call, Edge, Edges, Settings, Signature, TensorKey
+from torchside.call._routes import EAGER, Edge
+from torchside.call._values import Call, Edges, Settings, Signature, TensorKey
 from torchside.call._values import function_settings as function_settings
 
 jtu = jax.tree_util

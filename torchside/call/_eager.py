@@ -15,7 +15,7 @@ import torch
 
 from bridge.internal import HeldArrays
 from torchside.call._entry import Entry
-from torchside.call._values import EAGER, FUSED, Holds
+from torchside.call._routes import EAGER, FUSED, Holds
 
 # NOTE [Scalar loss]. When the one differentiable output of a call is a real scalar (a loss
 # computed inside the block), its VJP is linear in the cotangent (no ``custom_vjp`` rule, no
@@ -29,7 +29,7 @@ from torchside.call._values import EAGER, FUSED, Holds
 # ``scaled``: in place and handed over to ``.grad`` when torch frees the graph, into new
 # buffers when it keeps it), and runs no program. The cost: a forward that is never
 # followed by a backward computed the gradients for nothing (evaluate under
-# ``torch.no_grad()``). ``torch.compile`` calls take the "residuals" route.
+# ``torch.no_grad()``). ``torch.compile`` calls take the ``RESIDUALS`` route.
 
 
 def save(ctx, holds: Holds, leaves, results, buffers) -> None:

@@ -23,7 +23,7 @@ import torch
 import bridge
 from bridge.internal import HeldArrays, check_memory, own_arrays
 from torchside import _errors
-from torchside.call._values import RECOMPUTE, RESIDUALS, Holds, Route
+from torchside.call._routes import RECOMPUTE, RESIDUALS, Holds, Route
 
 # ``tuple.__new__(Cls, values)`` makes a NamedTuple in C; ``Cls(...)`` runs its Python
 # ``__new__`` first (a call more, on the per-call path).

@@ -43,7 +43,8 @@ from torchside.call._call import CALLERS
 from torchside.call._eager import save
 from torchside.call._entry import Reusable, apply_write_back
 from torchside.call._resolve import lead_device
-from torchside.call._values import COMPILED, FAKE, Call, TensorMeta, positional
+from torchside.call._routes import COMPILED, FAKE
+from torchside.call._values import Call, TensorMeta, positional
 
 jtu = jax.tree_util
 

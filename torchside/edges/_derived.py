@@ -16,7 +16,7 @@ from flaxside.internal import Batched
 from torchside.call._call import Caller, function_settings
 from torchside.call._owner import CallerOwner
 from torchside.call._resolve import resolve
-from torchside.call._values import EAGER
+from torchside.call._routes import EAGER
 
 
 class Derived(CallerOwner):

@@ -62,7 +62,7 @@ from flaxside.internal import (
 )
 from torchside import _errors
 from torchside.call._call import Caller
-from torchside.call._values import RESIDUALS, TRANSFORMED
+from torchside.call._routes import RESIDUALS, TRANSFORMED
 from torchside.edges._derived import Derived, derived, executes, owners_of, shared_by
 from torchside.edges._given import alive, given_backward
 

@@ -31,7 +31,7 @@ import torch
 import bridge
 from flaxside.internal import per_sample_norms_function, per_sample_vjp_function
 from torchside import _errors
-from torchside.call._values import REPORT
+from torchside.call._routes import REPORT
 from torchside.owners._module import FlaxModule
 
 

@@ -21,7 +21,8 @@ from torchside.call._call import Caller
 from torchside.call._options import check_choice
 from torchside.call._owner import CallerOwner
 from torchside.call._resolve import finish, resolve
-from torchside.call._values import AUTOCAST_MODES, REPORT, Call, Settings
+from torchside.call._routes import REPORT
+from torchside.call._values import AUTOCAST_MODES, Call, Settings
 from torchside.edges._edges import EDGES
 from torchside.owners._initializer import Initializer
 from torchside.owners._sharded import ShardedVariables
