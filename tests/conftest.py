@@ -1,6 +1,7 @@
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -23,6 +24,21 @@ def x64():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts with Dynamo's caches empty, as a fresh process does.
+
+    Every new owner recompiles its ``forward`` (the caller id is a constant of the graph),
+    and Dynamo counts recompiles per code object over the process: without this, a test
+    that compiles a few owners failed or passed by how many earlier tests in its worker
+    had compiled some.
+    """
+    yield
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 # The files that take longest (minutes: the examples' runs, the parity matrix), collected

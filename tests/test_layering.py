@@ -251,3 +251,28 @@ def test_each_note_is_defined_once_and_indexed_where_it_is():
             cited.update(re.sub(r"\s+(?:# )?", " ", m.group(1))
                          for m in re.finditer(r"NOTE\s+\[([^\]]+)\]", path.read_text()))
     assert cited <= set(found), cited - set(found)
+
+
+_DYNAMO = """
+import sys, torch, flax.linen as nn, torchside
+loaded = lambda: [m for m in ("torch._dynamo", "torchside.edges._traced") if m in sys.modules]
+before = loaded()
+m = torchside.FlaxModule(nn.Dense(3), torch.zeros(2, 4))
+m(torch.randn(2, 4)).sum().backward()
+first = loaded()
+compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+x = torch.randn(2, 4, requires_grad=True)
+torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
+print(before, first, loaded())
+"""
+
+
+def test_dynamo_loads_when_a_call_is_first_compiled():
+    """``import torchside`` and eager training leave Dynamo unloaded (its cost:
+    docs/benchmarks.md, the call_costs block); the first compiled call loads the code
+    Dynamo traces, and a fullgraph compile still gives the eager result. Mutation:
+    ``edges/_edges.py`` importing ``_traced`` at its top again."""
+    out = subprocess.run([sys.executable, "-c", _DYNAMO], capture_output=True, text=True,
+                         check=True)
+    loaded = "['torch._dynamo', 'torchside.edges._traced']"
+    assert out.stdout.strip() == f"[] [] {loaded}", out.stdout + out.stderr

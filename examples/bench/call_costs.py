@@ -15,7 +15,10 @@ What this shows, on this machine, through flaxtorch's public API:
   that its figures and the benchmark's TINY row differ only by the run they come from;
 * how many Python function calls one cached forward+backward of that ``FlaxModule``
   makes (cProfile): a count, not a time, so it compares versions of the bridge on any
-  machine.
+  machine;
+* what ``import torchside`` costs in a fresh interpreter after torch, JAX and Flax, and
+  whether it loads Dynamo (which loads on the first compiled call instead), beside what
+  importing Dynamo costs there.
 
 With ``--device cuda`` (a CUDA machine) the per-tensor rows are the DLPack route's steps on
 the GPU, each timing ended by a synchronize, with one more: exporting the results of a
@@ -47,6 +50,7 @@ import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -297,6 +301,35 @@ def time_breakdown(tiny, calls: int) -> list[tuple[str, float, int]]:
             for label, t in times.items()]
 
 
+# A fresh interpreter: torch, JAX and Flax first (any user of the bridge imports them),
+# then the bridge, then Dynamo, each timed; and whether the bridge had loaded Dynamo.
+_IMPORTS = """
+import sys, time
+t0 = time.perf_counter()
+import torch, jax, flax.linen
+t1 = time.perf_counter()
+import torchside
+t2 = time.perf_counter()
+loaded = "torch._dynamo" in sys.modules
+import torch._dynamo
+t3 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2, loaded)
+"""
+
+
+def import_costs(runs: int) -> dict:
+    """Medians over ``runs`` fresh interpreters of what ``_IMPORTS`` times."""
+    out = []
+    for _ in range(runs):
+        done = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True,
+                              text=True, check=True)
+        *times, loaded = done.stdout.split()
+        out.append([float(t) for t in times] + [loaded == "True"])
+    frameworks, bridge_s, dynamo = (statistics.median(r[k] for r in out) for k in range(3))
+    return {"frameworks": frameworks, "torchside": bridge_s, "dynamo": dynamo,
+            "loads_dynamo": any(r[3] for r in out), "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensors", type=int, default=DEFAULTS["tensors"],
@@ -323,6 +356,13 @@ def main() -> None:
                  else [])
     row = call_row(tiny)
     python_calls = python_calls_per_call(tiny, max(repeats, 10))
+    imports = import_costs(max(1, min(5, repeats // 6)))
+    import_line = (
+        f"`import torchside` in a fresh interpreter, after torch, JAX and Flax "
+        f"({imports['frameworks']:.2f} s): {imports['torchside']:.2f} s; Dynamo "
+        f"{'loaded' if imports['loads_dynamo'] else 'not loaded'} by it (importing it there "
+        f"takes {imports['dynamo']:.2f} s; the first compiled call loads it). Median of "
+        f"{imports['runs']} interpreters.")
     times, base = row["times"], row["times"]["torch"]
     diff = max(row["mismatch"].values())
     call_title = (f"the benchmark's TINY row ({row['describe']}), measured by its own code at "
@@ -341,6 +381,7 @@ def main() -> None:
         print(f"{name.ljust(width)}  {seconds * 1e6:7.0f} us  {seconds / base:.2f}x torch eager")
     print(f"Python function calls per cached forward+backward of TINY's FlaxModule: "
           f"{python_calls:.0f}")
+    print(import_line)
     breakdown_lines = []
     if breakdown:
         breakdown_lines = [
@@ -377,7 +418,7 @@ def main() -> None:
             "",
             f"Python function calls per cached forward+backward of TINY's FlaxModule "
             f"(cProfile): {python_calls:.0f}.",
-            "", *breakdown_lines, *profile_lines,
+            "", import_line, "", *breakdown_lines, *profile_lines,
         ])
         block = "call_costs" if args.device == "cpu" else f"call_costs_{args.device}"
         _docs.write_block(args.docs, block, body)

@@ -41,27 +41,19 @@ from flaxside.internal import ARRAY, Graph
 from torchside import _errors
 from torchside.call._call import CALLERS
 from torchside.call._eager import save
-from torchside.call._entry import Reusable, apply_write_back
+from torchside.call._entry import Reusable
 from torchside.call._resolve import lead_device
 from torchside.call._routes import COMPILED, FAKE
 from torchside.call._values import Call, TensorMeta, positional
 
 jtu = jax.tree_util
 
-def _caller(caller_id: int):
+def caller_of(caller_id: int):
+    """The ``Caller`` an op names by its ``compile_id``."""
     caller = CALLERS.get(caller_id)
     if caller is None:
         raise _errors.owner_gone()
     return caller
-
-
-def _encode_mode(mode) -> tuple[int, int]:
-    """An owner's mode as the ops carry it: ``(training, graph key)`` (traced code)."""
-    if mode is None:  # jax_function
-        return -1, -1
-    if isinstance(mode, tuple):  # NNX: (training, Graph)
-        return int(mode[0]), mode[1].key
-    return int(mode), -1
 
 
 def _decode_mode(training: int, graph: int):
@@ -97,45 +89,16 @@ class OpOutputs(NamedTuple):
         return cls(list(outputs[:n]), list(outputs[n:end]), rng)
 
 
-@torch._dynamo.assume_constant_result
-def _facts(caller_id: int, key: int) -> tuple:
-    """``(outputs, output recipe, write-back)`` of entry ``key``."""
-    entry = _caller(caller_id).entry(key)
-    return entry.n_out, _recipe(entry.out_treedef), entry.write_back
-
-
 def _key_marker(entry) -> torch.Tensor:
     """An empty tensor whose shape carries the entry's key into the traced code."""
     return torch.empty((0, entry.key))
-
-
-def _recipe(treedef):
-    probe = jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-    if isinstance(probe, int):
-        return ("one",)
-    if isinstance(probe, tuple | list) and all(isinstance(x, int) for x in probe):
-        return ("tuple" if isinstance(probe, tuple) else "list", len(probe))
-    if isinstance(probe, dict) and all(isinstance(x, int) for x in probe.values()):
-        return ("dict", tuple(probe))
-    raise _errors.compiled_outputs(treedef)
-
-
-def _rebuild(recipe, outs):
-    """The owner's output structure from a flat list (traceable by Dynamo)."""
-    if recipe[0] == "one":
-        return outs[0]
-    if recipe[0] == "tuple":
-        return tuple(outs)
-    if recipe[0] == "list":
-        return list(outs)
-    return dict(zip(recipe[1], outs, strict=True))
 
 
 @torch.library.custom_op("flaxtorch::forward", mutates_args=())
 def forward_op(caller_id: int, training: int, graph: int, mask: str,
                leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Steps 2 and 4 of NOTE [Call path]: results, residuals, and the drawn RNG leaf."""
-    caller = _caller(caller_id)
+    caller = caller_of(caller_id)
     call, grads, var_grads = _op_call(caller, training, graph, mask, leaves)
     entry, state_arrays, full = caller.prepare(call, grads, var_grads, COMPILED)
     fwd = entry.forward(state_arrays, full, entry.routes[COMPILED])
@@ -148,7 +111,7 @@ def forward_op(caller_id: int, training: int, graph: int, mask: str,
 
 @forward_op.register_fake
 def _forward_fake(caller_id, training, graph, mask, leaves):
-    caller = _caller(caller_id)
+    caller = caller_of(caller_id)
     metas = [TensorMeta(tuple(int(d) for d in t.shape), t.dtype, t.device) for t in leaves]
     call, grads, var_grads = _op_call(caller, training, graph, mask, metas)
     entry = caller.prepare(call, grads, var_grads, FAKE)[0]
@@ -169,7 +132,7 @@ def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
     Their views are taken in traced code (``Entry.gradients``), since an op's outputs may
     not alias one another.
     """
-    caller = _caller(caller_id)
+    caller = caller_of(caller_id)
     entry = caller.entry(key)
     route = entry.routes[COMPILED]
     reuse = _reuse(entry, route, saved)
@@ -180,14 +143,14 @@ def backward_op(caller_id: int, key: int, saved: list[torch.Tensor],
 
 @backward_op.register_fake
 def _backward_fake(caller_id, key, saved, cots):
-    entry = _caller(caller_id).entry(key)
+    entry = caller_of(caller_id).entry(key)
     return [torch.empty(s.shape, dtype=bridge.torch_dtype(s.dtype),
                         device=entry.exchange.torch_device) for s in entry.program.grad_specs]
 
 
 def _setup_context(ctx, inputs, output):
     caller_id, _, _, _, leaves = inputs
-    caller = _caller(caller_id)
+    caller = caller_of(caller_id)
     entry = caller.entry(int(output[-1].shape[1]))
     out = OpOutputs.of(entry, output)
     ctx.mark_non_differentiable(*(out.results[k] for k in entry.nondiff_out), *out.buffers,
@@ -199,7 +162,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    entry = _caller(ctx.caller_id).entry(ctx.key)
+    entry = caller_of(ctx.caller_id).entry(ctx.key)
     cots = [grads[k] for k in entry.diff_out_index]
     buffers = backward_op(ctx.caller_id, ctx.key, list(ctx.saved_tensors),
                           [None if g is None else g.contiguous() for g in cots])
@@ -208,22 +171,6 @@ def _backward(ctx, grads):
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def compiled_call(caller, call: Call, write_back):
-    """A call as Dynamo traces it: the custom ops in place of step 3 (NOTE [Call path])."""
-    leaves = [*call.variables, *call.tensors]
-    grad = torch.is_grad_enabled()
-    mask = "".join(
-        "1" if grad and t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
-        else "0"
-        for t in leaves
-    )
-    training, graph = _encode_mode(call.mode)
-    results = forward_op(caller.compile_id, training, graph, mask, leaves)
-    n_out, recipe, wb = _facts(caller.compile_id, results[-1].shape[1])
-    apply_write_back(write_back, wb, results, n_out)
-    return _rebuild(recipe, results[:n_out])
 
 
 def _reuse(entry, route, saved) -> tuple | None:
