@@ -1,10 +1,12 @@
 """Per-sample gradient norms of the DP-SGD rows' Flax block: summed where made, or after.
 
-The figures quoted for NOTE [Summed squares] (``flaxside/derivatives/_summed_squares.py``): for the
-Flax part of ``_dp.py``'s model (an ``nn.remat_scan`` trunk and a ``Dense`` head), the
-per-sample norms program as Opacus's norm sampler builds it (``summed_squares`` of the
-batched VJP) against the same VJP's per-sample gradients reduced after the fact (every
-one stored as XLA temporaries). Prints each program's temporaries and median time, and
+The figures quoted for NOTE [Summed squares] and NOTE [Ghost norms]
+(``flaxside/derivatives/_summed_squares.py``): for the Flax part of ``_dp.py``'s model (an
+``nn.remat_scan`` trunk and a ``Dense`` head), the per-sample norms program as Opacus's
+norm sampler builds it (``summed_squares`` of the batched VJP, each layer's kernel summed
+from its Grams), the same without the Grams (each product formed and summed where made),
+and the same VJP's per-sample gradients reduced after the fact (every one stored as XLA
+temporaries). Prints each program's temporaries and median time, and
 the largest relative difference of their sums.
 
 How to run:
@@ -56,7 +58,9 @@ def main() -> None:
         params, x[:2], c[:2]).jaxpr)
     grads = jax.vmap(one, in_axes=(None, 0, 0), out_axes=list(axes))
     stored = sum(a.size * a.dtype.itemsize for a in jax.eval_shape(grads, params, x, c))
-    ways = {"summed where made": jax.jit(lambda *a: summed_squares(grads, list(a), axes)[0]),
+    ways = {"ghost norms": jax.jit(lambda *a: summed_squares(grads, list(a), axes)[0]),
+            "summed where made": jax.jit(lambda *a: summed_squares(grads, list(a), axes,
+                                                                   ghost=False)[0]),
             "reduced after": jax.jit(lambda *a: [squares(g, ax) for g, ax in
                                                  zip(grads(*a), axes, strict=True)])}
     print(f"nn.remat_scan{lengths}, width {width}, batch {batch}: per-sample gradients "
@@ -67,9 +71,11 @@ def main() -> None:
         ms = _median_ms(f, (params, x, c))
         sums[name] = f(params, x, c)
         print(f"  {name:18s} temporaries {temp / 2**20:8.2f} MiB   {ms:7.1f} ms")
-    worst = max(float(jnp.max(jnp.abs(a - b) / jnp.abs(b)))
-                for a, b in zip(*sums.values(), strict=True))
-    print(f"  largest relative difference of the sums: {worst:.1e}")
+    after = sums["reduced after"]
+    for name in ("ghost norms", "summed where made"):
+        worst = max(float(jnp.max(jnp.abs(a - b) / jnp.abs(b)))
+                    for a, b in zip(sums[name], after, strict=True))
+        print(f"  {name}: largest relative difference from the sums after: {worst:.1e}")
 
 
 if __name__ == "__main__":

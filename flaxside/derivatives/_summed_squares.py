@@ -14,6 +14,9 @@ output's sum of squares (over every axis but the batch's) to where its value is 
   stacked sums are added up after the loop;
 * into a checkpoint (``remat2``, with its own policy) or a nested ``jit`` that returns it;
 * through a ``transpose`` (the sum of squares ignores the order of the other axes);
+* into a ``dot_general`` that makes it from two operands batched by the sample (a layer's
+  per-sample weight gradient, activations against backprops), where the sum is taken
+  without forming the product (NOTE [Ghost norms]) wherever that costs fewer operations;
 * down to the equation that computes it, where XLA fuses the square and the sum into the
   product that makes it: a layer's per-sample gradient is never stored, stacked or not.
 
@@ -27,6 +30,7 @@ least (``torch.linalg.vector_norm`` of a bfloat16 tensor does), layer by layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -36,16 +40,18 @@ import jax.numpy as jnp
 from flaxside import jaxprs
 
 
-def summed_squares(f: Callable, args: list, axes: tuple[int, ...]) -> tuple[list, list]:
+def summed_squares(f: Callable, args: list, axes: tuple[int, ...], *,
+                   ghost: bool = True) -> tuple[list, list]:
     """Per output ``k`` of ``f(*args)``, its sum of squares over every axis but ``axes[k]``.
 
     Equal to ``sum(|f(*args)[k]| ** 2)`` over those axes, without storing an output that
-    a scan stacks (NOTE [Summed squares]). Returns the sums (float32 or float64 vectors)
-    and the outputs' avals.
+    a scan stacks (NOTE [Summed squares]). ``ghost``: a product of two batched operands is
+    summed without forming it where that pays (NOTE [Ghost norms]; ``False``: formed, for
+    comparison). Returns the sums (float32 or float64 vectors) and the outputs' avals.
     """
     closed = jax.make_jaxpr(f)(*args)
     sums = _evaluate(closed.jaxpr, closed.consts, list(jax.tree_util.tree_leaves(args)),
-                     dict(enumerate(axes)))
+                     dict(enumerate(axes)), ghost)
     return sums, closed.out_avals
 
 
@@ -60,14 +66,16 @@ class _Reducing(NamedTuple):
     """What the rules read: which values are carried reduced, and where each is reduced.
 
     ``reduced``: ``{var: batch axis}``; ``moves``: per equation (by ``id``) that makes one
-    as its own output, ``{output position: batch axis}``.
+    as its own output, ``{output position: batch axis}``; ``ghost``: whether products are
+    summed without being formed (NOTE [Ghost norms]), inside loops and calls too.
     """
 
     reduced: dict
     moves: dict
+    ghost: bool
 
 
-def _evaluate(jaxpr, consts, args, want: dict) -> list:
+def _evaluate(jaxpr, consts, args, want: dict, ghost: bool) -> list:
     """``jaxpr``'s outputs, the ones in ``want`` (``{position: batch axis}``) as summed squares."""
     uses = jaxprs.uses(jaxpr)
     # Backward: which values are carried reduced, and how each equation making one
@@ -89,10 +97,13 @@ def _evaluate(jaxpr, consts, args, want: dict) -> list:
             moves[id(eqn)] = {k: a for k, a in at.items() if k >= p["num_carry"] and a >= 1}
         elif jaxprs.runs_again(eqn):
             moves[id(eqn)] = at
+        elif name == "dot_general" and ghost and _ghost_pays(eqn, at[0]):
+            moves[id(eqn)] = at
     values = [squares(x, reduced[v]) if v in reduced else x
               for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True)]
     n = len(jaxpr.constvars)
-    outs = jaxprs.evaluate(jaxpr, values[:n], values[n:], _RULES, _Reducing(reduced, moves))
+    outs = jaxprs.evaluate(jaxpr, values[:n], values[n:], _RULES,
+                           _Reducing(reduced, moves, ghost))
     # An output carried reduced is read as it is; any other wanted one is reduced here.
     return [squares(x, want[k]) if k in want and not (jaxprs.is_var(v) and v in reduced)
             else x for k, (v, x) in enumerate(zip(jaxpr.outvars, outs, strict=True))]
@@ -125,13 +136,64 @@ def _again(state: _Reducing, eqn, invals) -> list:
     body, consts = jaxprs.body_of(eqn)
     scan = eqn.primitive.name == "scan"
     inner = {k: a - scan for k, a in at.items()}
-    outs = jaxprs.again(eqn, invals, lambda args: _evaluate(body, consts, args, inner))
+    outs = jaxprs.again(eqn, invals,
+                        lambda args: _evaluate(body, consts, args, inner, state.ghost))
     if scan:
         outs = [jnp.sum(y, axis=0) if k in at else y for k, y in enumerate(outs)]
     return _rest(state, eqn, outs, at)
 
 
+# NOTE [Ghost norms]. A layer's per-sample weight gradient is a product of two operands that
+# both carry the sample: ``out[b, l, r] = sum_c lhs[b, l, c] rhs[b, r, c]`` (activations
+# against backprops, ``c`` the rows of one sample: one for a vector input, the positions
+# of a sequence). Its sum of squares is ``sum_{c, c'} A[b, c, c'] G[b, c, c']`` with the
+# Gram matrices ``A = sum_l lhs[b, l, c] lhs[b, l, c']`` and ``G`` the same of ``rhs``, and
+# ``|lhs[b]|^2 |rhs[b]|^2`` for one row (Opacus's ghost clipping, after Goodfellow's
+# per-example trick; Li et al. 2022 for sequences). It costs ``C^2 (L + R)`` operations
+# a sample where the product costs ``L R C``: taken where that is fewer (a vector input's
+# layer always), in the wider of the operands' dtype and float32, for real operands whose
+# batch dimensions hold the sample. Other batch dimensions (a stack of layers) are summed
+# over too.
+
+
+def _ghost_pays(eqn, axis: int) -> bool:
+    """Whether ``eqn`` (a ``dot_general``) is summed at ``axis`` cheaper by its Grams."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval for v in eqn.invars)
+    if axis >= len(lb) or not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
+        return False
+    c = math.prod(lhs.shape[d] for d in lc)
+    left = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
+    right = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in (*rc, *rb))
+    return c * (left + right) < left * right
+
+
+def _gram(x, contract, batch, dtype):
+    """``x`` as ``(batch..., C, C)``: its rows against each other, summed over its free axes."""
+    free = [d for d in range(x.ndim) if d not in (*contract, *batch)]
+    x = jnp.transpose(x, (*batch, *free, *contract)).astype(dtype)
+    n = len(batch)
+    x = x.reshape(*x.shape[:n], math.prod(x.shape[n:n + len(free)]),
+                  math.prod(x.shape[n + len(free):]))
+    return jnp.einsum("...lc,...ld->...cd", x, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def _dot_general(state: _Reducing, eqn, invals) -> list:
+    """Summed by its operands' Grams where moved (NOTE [Ghost norms]); else bound."""
+    at = state.moves.get(id(eqn))
+    if not at:
+        return _bound(state, eqn, invals)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = invals
+    dtype = jnp.promote_types(jnp.promote_types(lhs.dtype, rhs.dtype), jnp.float32)
+    both = _gram(lhs, lc, lb, dtype) * _gram(rhs, rc, rb, dtype)
+    sums = jnp.sum(both, axis=(-2, -1))
+    return [jnp.sum(sums, axis=tuple(d for d in range(sums.ndim) if d != at[0]))]
+
+
 # The meaning (NOTE [One interpreter]): each wanted output's sum of squares taken where the
-# value is made, moved through transposes into the loops, checkpoints and calls that make it.
+# value is made, moved through transposes into the loops, checkpoints and calls that make it,
+# and into the products of two batched operands (NOTE [Ghost norms]).
 _RULES = {"transpose": _transpose, "scan": _again, "remat2": _again, "pjit": _again,
-          "jit": _again, "closed_call": _again, jaxprs.ANY: _bound}
+          "jit": _again, "closed_call": _again, "dot_general": _dot_general,
+          jaxprs.ANY: _bound}

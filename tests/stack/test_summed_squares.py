@@ -241,3 +241,65 @@ def test_a_bfloat16_output_sums_in_float32():
         in_bf16 = (in_bf16 + column.astype(jnp.bfloat16)).astype(jnp.bfloat16)
     assert np.allclose(got, terms.sum(1), rtol=2.0 ** -8)
     assert not np.allclose(in_bf16.astype(np.float32), terms.sum(1), rtol=2.0 ** -8)
+
+
+def _dense_grads(rows: int, width_in: int, width_out: int):
+    """``(g, args, axes)`` of a ``Dense`` layer's per-sample gradients, each sample ``rows``
+    positions (0: a vector), on random arguments (a batch of ``BATCH``)."""
+    dense = nn.Dense(width_out)
+    k = jax.random.split(jax.random.key(5), 3)
+    shape = (BATCH, width_in) if rows == 0 else (BATCH, rows, width_in)
+    x = jax.random.normal(k[0], shape)
+    c = jax.random.normal(k[1], (*shape[:-1], width_out))
+    params = dense.init(k[2], x[:1])
+
+    def one(p, x, c):
+        _, vjp = jax.vjp(lambda p: dense.apply(p, x[None]), p)
+        return jax.tree_util.tree_leaves(vjp(c[None])[0])
+
+    axes = _moved_axes(jax.make_jaxpr(jax.vmap(one, in_axes=(None, 0, 0)))(
+        params, x[:2], c[:2]).jaxpr)
+    return jax.vmap(one, in_axes=(None, 0, 0), out_axes=list(axes)), [params, x, c], axes
+
+
+def _products(f, args) -> list:
+    """The output shapes of the ``dot_general``s in ``f``'s jaxpr, at any depth, sorted."""
+    return [tuple(sorted(e.outvars[0].aval.shape))
+            for e in jaxprs.walk(jax.make_jaxpr(f)(*args).jaxpr, deep=True)
+            if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize(("rows", "formed"), [(0, False), (3, False), (96, True)],
+                         ids=["vector", "sequence", "long-sequence"])
+def test_a_layers_product_is_summed_from_its_operands_grams(rows, formed):
+    """NOTE [Ghost norms]: a ``Dense`` layer's per-sample kernel gradient summed from the
+    Gram matrices of its activations and backprops, equal to the formed gradient's sums;
+    the ``(batch, in, out)`` product is never formed where its Grams cost fewer operations
+    (a vector input, a short sequence), and formed where they cost more (96 positions of
+    width 32 and 24). Mutation: ``_ghost_pays`` always false (the product formed), or
+    always true (the Grams of the long sequence, larger than the product)."""
+    g, args, axes = _dense_grads(rows, WIDTH, 24)
+    _check(g, args, axes)
+    product = tuple(sorted((BATCH, WIDTH, 24)))  # in any order of its axes
+    ours = _products(lambda *a: summed_squares(g, list(a), axes)[0], args)
+    assert (product in ours) == formed, ours
+    assert product in _products(lambda *a: summed_squares(g, list(a), axes, ghost=False)[0],
+                                args)  # the control: without the rule, formed
+
+
+def test_ghost_norms_inside_a_scanned_block_and_in_float64():
+    """The rule inside ``nn.remat_scan``'s layers (each layer's kernels, width 32 by 64,
+    summed by their Grams in the scan's body, never formed per sample), and in float64,
+    where the Grams stay float64."""
+    g, args, axes = _per_sample_grads(ReadmeDeep(WIDTH, (2, 3)))
+    _check(g, args, axes)
+    kernel = tuple(sorted((BATCH, WIDTH, 2 * WIDTH)))  # a layer's per-sample kernel gradient
+    assert kernel not in _products(lambda *a: summed_squares(g, list(a), axes)[0], args)
+    assert kernel in _products(  # the control: formed without the rule
+        lambda *a: summed_squares(g, list(a), axes, ghost=False)[0], args)
+    with jax.enable_x64(True):
+        g, args, axes = _dense_grads(0, WIDTH, 24)
+        args = [jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), a) for a in args]
+        assert tuple(sorted((BATCH, WIDTH, 24))) not in _products(
+            lambda *a: summed_squares(g, list(a), axes)[0], args)
+        assert _check(g, args, axes)[0].dtype == jnp.float64
