@@ -39,13 +39,13 @@ class _Scanned(nn.Module):
         return stack(ReadmeBlock(WIDTH, name="stack"), x, None)[0]
 
 
-def _per_sample_grads(block):
+def _per_sample_grads(block, x_shape=(BATCH, WIDTH), c_shape=(BATCH, WIDTH), seed=3):
     """``(g, args, axes)``: ``g(params, x, c)`` each sample's parameter gradients (a flat
     list), batched where the batched VJP computes them (``axes``, behind the layer axes
-    for stacked leaves), on random arguments."""
-    k = jax.random.split(jax.random.key(3), 3)
-    x = jax.random.normal(k[0], (BATCH, WIDTH))
-    c = jax.random.normal(k[1], (BATCH, WIDTH))
+    for stacked leaves), on random arguments ``x`` and cotangents ``c`` of these shapes."""
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k[0], x_shape)
+    c = jax.random.normal(k[1], c_shape)
     params = block.init(k[2], x[:1])
 
     def one(p, x, c):
@@ -244,22 +244,11 @@ def test_a_bfloat16_output_sums_in_float32():
 
 
 def _dense_grads(rows: int, width_in: int, width_out: int):
-    """``(g, args, axes)`` of a ``Dense`` layer's per-sample gradients, each sample ``rows``
-    positions (0: a vector), on random arguments (a batch of ``BATCH``)."""
-    dense = nn.Dense(width_out)
-    k = jax.random.split(jax.random.key(5), 3)
-    shape = (BATCH, width_in) if rows == 0 else (BATCH, rows, width_in)
-    x = jax.random.normal(k[0], shape)
-    c = jax.random.normal(k[1], (*shape[:-1], width_out))
-    params = dense.init(k[2], x[:1])
-
-    def one(p, x, c):
-        _, vjp = jax.vjp(lambda p: dense.apply(p, x[None]), p)
-        return jax.tree_util.tree_leaves(vjp(c[None])[0])
-
-    axes = _moved_axes(jax.make_jaxpr(jax.vmap(one, in_axes=(None, 0, 0)))(
-        params, x[:2], c[:2]).jaxpr)
-    return jax.vmap(one, in_axes=(None, 0, 0), out_axes=list(axes)), [params, x, c], axes
+    """``_per_sample_grads`` of a ``Dense`` layer, each sample ``rows`` positions (0: a
+    vector)."""
+    rows = () if rows == 0 else (rows,)
+    return _per_sample_grads(nn.Dense(width_out), (BATCH, *rows, width_in),
+                             (BATCH, *rows, width_out), seed=5)
 
 
 def _products(f, args) -> list:

@@ -43,8 +43,30 @@ from typing import NamedTuple
 
 
 # -- what a signature fixes ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, eq=False)
-class Edge:
+class _Kind:
+    """One object per kind, compared by identity.
+
+    A copy or an unpickled value is the same module-level object (named by
+    ``name.upper()``), since kinds key dictionaries that copies may carry.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self) -> str:
+        return self.name.upper()
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Edge(_Kind):
     """Where a call enters the pipeline, as what each step asks of it (NOTE [Routes]).
 
     Attributes:
@@ -67,19 +89,6 @@ class Edge:
     differentiated: bool
     fuses: bool
 
-    def __repr__(self) -> str:
-        return f"Edge({self.name})"
-
-    # One object per kind, compared by identity: a copy or an unpickled value is the same
-    # module-level object (``Edge`` values key dictionaries that copies may carry).
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self) -> str:
-        return self.name.upper()
 
 
 EAGER = Edge("eager", holds=True, draws=True, named=False, differentiated=True, fuses=True)
@@ -91,8 +100,8 @@ REPORT = Edge("report", holds=True, draws=False, named=False, differentiated=Tru
 ALL_EDGES = (EAGER, COMPILED, FAKE, TRANSFORMED, REPORT)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Programs:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Programs(_Kind):
     """Which of a ``Program``'s executables a route runs (NOTE [Routes]).
 
     Attributes:
@@ -106,19 +115,6 @@ class Programs:
     forward: str
     backward: str | None
 
-    def __repr__(self) -> str:
-        return f"Programs({self.name})"
-
-    # One object per kind, compared by identity: a copy or an unpickled value is the same
-    # module-level object (``Programs`` values key dictionaries that copies may carry).
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self) -> str:
-        return self.name.upper()
 
 
 PLAIN = Programs("plain", "forward", None)
